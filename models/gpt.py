@@ -1,0 +1,170 @@
+"""A GPT-style decoder in the nanoGPT mould.
+
+Plain PyTorch: no Lightning, no policies, no logging, so a bare training loop, the benchmark and the
+estimator can all use it. Activation-memory policies change how it runs from outside through two seams:
+`GPT.run_blocks` (how the stack of blocks is executed) and `CausalSelfAttention.core_attention` (the
+QKᵀ → softmax → dropout → ·V core). Neither seam owns a parameter, so a policy never changes `state_dict` keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # set from the tokenizer at build time; 256 = UTF-8 bytes
+    block_size: int = 256  # longest context the position table covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.1  # on: recompute must replay the same masks, which is what the tests check
+    bias: bool = True  # GPT-2 has biases; they cost activation bytes the estimator must count
+    # "sdpa": fused F.scaled_dot_product_attention, which never keeps the T×T scores (it recomputes them in its
+    # backward); "eager": explicit softmax(QKᵀ)V that stores them, the path selective recompute is for.
+    attention: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                "pick n_embd as a multiple of n_head"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"model.attention={self.attention!r} must be 'sdpa' or 'eager'")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be ≥ 1")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.dropout = config.dropout
+        self.attention = config.attention
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # A buffer, not a parameter, and non-persistent so state_dict stays the same for both attention paths.
+        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        y = self.core_attention(q, k, v)
+        # (B, n_head, T, head_dim) -> (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """QKᵀ → causal softmax → dropout → ·V. The unit Korthikanti et al. (2022) recompute selectively."""
+        if self.attention == "sdpa":
+            p = self.dropout if self.training else 0.0
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+        att = att.masked_fill(~self.causal_mask[:T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: GPT-2 does, and it saves vocab×d parameters
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/√(2L) so the residual stream's variance stays put with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if exclude_embeddings else n
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.run_blocks(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the block stack; policies replace this per instance to checkpoint or offload groups of blocks."""
+        for block in self.transformer.h:
+            x = block(x)
+        return x

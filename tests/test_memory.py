@@ -1,0 +1,311 @@
+"""The live-tensor tracker, held to byte-exact hand arithmetic on tiny fp32 models (CPU, deterministic).
+
+Sizes used throughout: fp32 = 4 bytes; a (32, 64) tensor is 8 KiB, a (32, 256) tensor 32 KiB.
+Every figure counts only storages created inside the tracker's window: parameters and inputs made
+before it are free. ``loss.backward()`` creates its grad seed (``ones_like(loss)``, 4 bytes) in Python
+and keeps it until backward returns, so a scalar loss costs 4 + 4 bytes through the whole backward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from trainer.memory import (
+    MIB,
+    LiveTensorTracker,
+    TimelinePoint,
+    cuda_memory_counters,
+    reset_cuda_peaks,
+)
+
+F32 = 4
+B, D, H = 32, 64, 256  # batch, model width, hidden width
+SCALAR_LOSS_AND_SEED = 2 * F32
+
+
+def test_single_allocation_live_and_peak() -> None:
+    with LiveTensorTracker() as t:
+        x = torch.empty(1000, dtype=torch.float32)
+        assert t.live_bytes == x.nbytes == 4000
+        assert t.peak_bytes == 4000
+        del x
+        assert t.live_bytes == 0
+    assert t.peak_bytes == 4000
+
+
+def test_views_and_in_place_ops_are_not_double_counted() -> None:
+    with LiveTensorTracker() as t:
+        x = torch.zeros(10, 10)
+        v = x[2:5].view(-1)
+        w = x.t()[1:3]
+        x.add_(1.0)
+        x.mul_(2.0)
+        y = x.detach()
+        v.relu_()
+        assert t.live_bytes == t.peak_bytes == 400
+        del x, y, w
+        # the view keeps the whole storage alive
+        assert t.live_bytes == 400
+        del v
+        assert t.live_bytes == 0
+
+
+def test_storages_from_before_the_window_are_not_counted() -> None:
+    before = torch.ones(100)
+    with LiveTensorTracker() as t:
+        view = before[:10]
+        before.add_(1.0)
+        fresh = before * 2
+    assert t.peak_bytes == fresh.nbytes == 400
+    del view
+
+
+def test_out_variant_resize_is_counted() -> None:
+    a, b = torch.ones(4, 4), torch.ones(4, 4)
+    with LiveTensorTracker() as t:
+        out = torch.empty(0)
+        torch.mm(a, b, out=out)  # resizes out's storage in place from 0 to 64 bytes
+        assert t.live_bytes == out.nbytes == 64
+        del out
+        assert t.live_bytes == 0
+
+
+def test_device_filter_skips_other_devices() -> None:
+    x = torch.randn(8, 8)
+    with LiveTensorTracker(device="cuda") as t:
+        y = x * 2
+    assert t.peak_bytes == 0
+    del y
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+
+
+def _mlp_step(device: str) -> tuple[LiveTensorTracker, nn.Sequential]:
+    with torch.device(device):
+        model = _mlp()
+        x = torch.randn(B, D)  # no grad: the first Linear's backward computes no input grad
+    with LiveTensorTracker(record_timeline=True) as t:
+        out = model(x)
+        loss = out.sum()
+        loss.backward()
+    del out, loss
+    return t, model
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_mlp_forward_backward_peaks_match_hand_arithmetic(device: str) -> None:
+    # Meta tensors all have data_ptr 0 but distinct storages: same figures without computing anything.
+    t, model = _mlp_step(device)
+    act_bh, act_bd = B * H * F32, B * D * F32  # 32768, 8192
+    grad_w1 = grad_w2 = D * H * F32  # 65536 each
+    grad_b1, grad_b2 = H * F32, D * F32  # 1024, 256
+    # Forward: h1 = addmm (32 KiB) and a1 = relu(h1) (32 KiB) are both alive until Sequential drops h1
+    # (relu saves its output); then out (8 KiB) and the loss: forward peak 2*32768 = 65536.
+    # Backward, last layer: grad_a1 = mm (32 KiB), grad_W2 (64 KiB), grad_b2; a1 is still saved by
+    # ReluBackward. threshold_backward adds grad_h1 (32 KiB) while a1 and grad_a1 are alive:
+    #   activations: out + loss/seed + a1 + grad_a1 + grad_h1 = 8192 + 8 + 3*32768 = 106504
+    # Then a1 and grad_a1 are freed and the first layer adds grad_W1 and grad_b1 while grad_h1 lives:
+    #   total: out + loss/seed + grad_h1 + all four grads = 8192 + 8 + 32768 + 132352 = 173320
+    expected_act_peak = act_bd + SCALAR_LOSS_AND_SEED + 3 * act_bh
+    all_grads = grad_w1 + grad_b1 + grad_w2 + grad_b2
+    expected_peak = act_bd + SCALAR_LOSS_AND_SEED + act_bh + all_grads
+    assert expected_act_peak == 106504 and expected_peak == 173320
+    assert t.peak_bytes == expected_peak
+    assert t.peak_bytes_excluding([p.grad for p in model.parameters()]) == expected_act_peak
+    forward = [p.live_bytes for p in t.timeline if p.phase == "forward"]
+    assert max(forward) == 2 * act_bh
+    # out and loss were deleted, the seed died with backward: only the .grad buffers remain.
+    assert t.live_bytes == all_grads
+    for p in model.parameters():
+        p.grad = None
+    assert t.live_bytes == 0
+
+
+def test_peak_excluding_ignores_tensors_not_created_in_window() -> None:
+    outside = torch.ones(1000)
+    with LiveTensorTracker() as t:
+        y = outside + 1
+    assert t.peak_bytes_excluding([outside]) == t.peak_bytes == 4000
+    assert t.peak_bytes_excluding([y]) == 0
+    assert t.peak_bytes_excluding([None, y]) == 0  # a frozen parameter's .grad
+
+
+def _blocks(n: int) -> nn.ModuleList:
+    # GELU saves its input and the second mm saves GELU's output, so without checkpointing a block keeps
+    # two (B, H) tensors; saving only the mm outputs (SAC) keeps one and recomputes GELU.
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(D, H, bias=False), nn.GELU(), nn.Linear(H, D, bias=False)) for _ in range(n)
+    )
+
+
+def _sac_context() -> object:
+    return create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+
+
+def _run_stack(policy: str, n_layers: int = 4) -> tuple[LiveTensorTracker, int, int]:
+    """Returns the tracker, its activation peak (excluding every .grad) and what a saved_tensors_hooks
+    pair around the same step would have counted as saved activations."""
+    blocks = _blocks(n_layers)
+    x = torch.randn(B, D, requires_grad=True)
+    param_storages = {p.untyped_storage()._cdata for p in blocks.parameters()}
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s._cdata not in param_storages and t is not x:
+            packed[s._cdata] = s.nbytes()
+        return t
+
+    wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    if policy == "none":
+        wrap = lambda b, h: b(h)  # noqa: E731
+    elif policy == "full":
+        wrap = lambda b, h: checkpoint(b, h, use_reentrant=False)  # noqa: E731
+    else:
+        wrap = lambda b, h: checkpoint(b, h, use_reentrant=False, context_fn=_sac_context)  # noqa: E731
+
+    with LiveTensorTracker(record_timeline=True) as t:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = x
+            for block in blocks:
+                h = wrap(block, h)
+            loss = h.sum()
+            loss.backward()
+    act_peak = t.peak_bytes_excluding([p.grad for p in blocks.parameters()] + [x.grad])
+    return t, act_peak, sum(packed.values())
+
+
+def test_checkpoint_and_sac_peaks_match_hand_arithmetic() -> None:
+    n = 4
+    act_bh, act_bd = B * H * F32, B * D * F32
+    t_none, none, _ = _run_stack("none", n)
+    t_full, full, hooks_full = _run_stack("full", n)
+    t_sac, sac, hooks_sac = _run_stack("sac", n)
+
+    # No checkpoint: every block keeps mm1's output (saved by GELU), GELU's output (saved by mm2) and its
+    # output (the next block's input; the last one is `h`). Backward of the last block adds grad_a
+    # (32 KiB) before anything is freed: n*(8192 + 2*32768) + 8 + 32768 = 327688.
+    assert none == n * (act_bd + 2 * act_bh) + SCALAR_LOSS_AND_SEED + act_bh == 327688
+    # Full checkpoint: only block outputs survive forward. The last block's recompute brings back mm1's
+    # and GELU's outputs, and its backward adds grad_a: n*8192 + 8 + 3*32768 = 131080.
+    assert full == n * act_bd + SCALAR_LOSS_AND_SEED + 3 * act_bh == 131080
+    # SAC saving mm: each block caches mm1's output (mm2's output is the block output, already counted);
+    # backward recomputes GELU's output and adds grad_a: n*(8192 + 32768) + 8 + 2*32768 = 229384.
+    assert sac == n * (act_bd + act_bh) + SCALAR_LOSS_AND_SEED + 2 * act_bh == 229384
+    assert full < sac < none
+
+    # saved_tensors_hooks only see what checkpoint saves outside its regions: the block inputs (here the
+    # n-1 not counting x). They cannot tell SAC from full, and they miss the recompute the tracker sees.
+    assert hooks_full == hooks_sac == (n - 1) * act_bd
+    assert full > hooks_full
+    recomputed = {p.op_name for p in t_full.timeline if p.phase == "backward"}
+    assert "aten.gelu.default" in recomputed and "aten.gelu.default" in {
+        p.op_name for p in t_sac.timeline if p.phase == "backward"
+    }
+    assert "aten.gelu.default" not in {p.op_name for p in t_none.timeline if p.phase == "backward"}
+    # SAC replays the cached mm outputs instead of rerunning them. Full recompute reruns only the first
+    # mm of each block: non-reentrant checkpoint stops recomputing once the last saved tensor is back,
+    # and mm2's inputs are saved before mm2 runs.
+    mm_bwd = {
+        name: sum(p.op_name == "aten.mm.default" and p.phase == "backward" for p in tr.timeline)
+        for name, tr in (("none", t_none), ("full", t_full), ("sac", t_sac))
+    }
+    assert mm_bwd["sac"] == mm_bwd["none"] and mm_bwd["full"] == mm_bwd["none"] + n
+
+
+def test_timeline_phases_and_files(tmp_path) -> None:
+    t, _ = _mlp_step("cpu")
+    phases = [p.phase for p in t.timeline]
+    assert set(phases) == {"forward", "backward"}
+    first_backward = phases.index("backward")
+    assert all(p == "forward" for p in phases[:first_backward])
+    assert all(p == "backward" for p in phases[first_backward:])
+    assert [p.op_index for p in t.timeline] == list(range(len(t.timeline)))
+    assert all(isinstance(p, TimelinePoint) for p in t.timeline)
+    assert max(p.live_bytes for p in t.timeline) == t.peak_bytes
+
+    json_path, png_path = tmp_path / "tl" / "timeline.json", tmp_path / "tl" / "timeline.png"
+    t.save_timeline(json_path, png_path)
+    data = json.loads(json_path.read_text())
+    assert data["peak_bytes"] == t.peak_bytes
+    assert data["num_ops"] == len(data["points"]) == len(t.timeline)
+    assert data["points"][0].keys() == {"op_index", "live_bytes", "phase", "op_name"}
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_enter_and_exit_from_separate_calls_and_fresh_window() -> None:
+    t = LiveTensorTracker()
+    t.__enter__()
+    x = torch.empty(256)
+    t.__exit__(None, None, None)
+    assert t.peak_bytes == 1024
+    t.__enter__()  # a new window: last window's x is not in it and its free must not count here
+    y = torch.empty(64)
+    del x
+    t.__exit__(None, None, None)
+    assert t.live_bytes == t.peak_bytes == 256
+    del y
+    assert t.live_bytes == 0
+
+
+def test_exit_with_another_mode_on_top_is_refused() -> None:
+    outer = LiveTensorTracker()
+    inner = LiveTensorTracker()
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="innermost dispatch mode"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+
+
+def test_cuda_counters_empty_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by the gpu test")
+    assert cuda_memory_counters() == {}
+    reset_cuda_peaks()  # must be a harmless no-op
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_counters_and_tracker_on_cuda() -> None:
+    torch.cuda.synchronize()
+    reset_cuda_peaks()
+    base = torch.cuda.memory_allocated()
+    with LiveTensorTracker(device="cuda") as t:
+        x = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+        y = torch.empty(2 * MIB, dtype=torch.uint8, device="cpu")  # filtered out by device
+        del x
+    torch.cuda.synchronize()
+    counters = cuda_memory_counters()
+    assert set(counters) == {"peak_allocated_mib", "peak_reserved_mib", "alloc_retries", "num_ooms"}
+    assert t.peak_bytes == 4 * MIB and t.live_bytes == 0
+    assert counters["peak_allocated_mib"] >= (base + 4 * MIB) / MIB
+    assert counters["peak_reserved_mib"] >= counters["peak_allocated_mib"]
+    assert counters["num_ooms"] == 0
+    del y
+
+    # The tracker and the allocator agree on an MLP step.
+    model = _mlp().cuda()
+    xin = torch.randn(B, D, device="cuda")
+    # One step first, so the cuBLAS workspace and the .grad buffers exist before the measured step.
+    model(xin).sum().backward()
+    torch.cuda.synchronize()
+    reset_cuda_peaks()
+    base = torch.cuda.memory_allocated()
+    with LiveTensorTracker(device="cuda") as t:
+        model(xin).sum().backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    # The allocator rounds each of the few live tensors up to a 512-byte block.
+    assert t.peak_bytes <= measured <= t.peak_bytes + 16 * 512

@@ -1,0 +1,47 @@
+"""Train a GPT under an activation-memory policy and measure it.
+
+python train.py                                   # default: tiny GPT on the embedded corpus, policy none
+python train.py policy=selective accum=8
+python train.py -m policy=none,full,selective     # Hydra multirun: one folder per sweep
+python train.py --cfg job                         # print the composed config
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer.schema import describe_user_error, register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainer.run import train  # Lightning and datasets load only once the config is known to be good
+
+    summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    return summary.get("final_val_loss")  # the objective for Hydra sweepers that optimise
+
+
+def cli() -> None:
+    # Let errors reach us instead of Hydra's multi-line report, so a user mistake prints as one line.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,734 @@
+"""Real text for the GPT: load a corpus, split it, tokenize it once, cache it, serve fixed-size blocks.
+
+Sources
+-------
+``embedded`` (default)
+    The documentation topics shipped with every CPython as ``pydoc_data.topics`` (79 topics, ~465K
+    characters of English prose and code). It is part of the Python distribution and therefore under
+    the Python Software Foundation License (PSF-2.0), which permits redistribution and use; it is
+    used here because it is real text that works with no download and no network.
+``local``
+    Files, folders (walked recursively, hidden entries skipped) and globs named in ``data.path``.
+``hub``
+    ``datasets.load_dataset(name, config_name, split=split)[text_field]``, failing fast when offline.
+
+Every prepared corpus is cached under ``<cache_dir>/<key>/`` (train.npy, val.npy, meta.json and, for
+BPE, tokenizer.json), so the second ``prepare_data()`` with the same inputs does no tokenization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from trainer.schema import DataConfig  # the `data` node of the config schema
+
+log = logging.getLogger(__name__)
+
+# Bump whenever the on-disk layout or the tokenization of an unchanged corpus changes, so stale
+# cache entries are never reused.
+FORMAT_VERSION = 1
+
+SOURCES = ("embedded", "local", "hub")
+TOKENIZERS = ("byte", "bpe")
+EOT = "<|endoftext|>"
+BYTE_VOCAB = 256
+BYTE_DOC_SEPARATOR = "\n\n"
+# Bytes inspected for NUL when deciding whether a file is binary (same heuristic as git and grep).
+BINARY_SNIFF_BYTES = 8192
+# Documents are cut into pieces of at most this many characters before tokenization, so one huge
+# local file still gets a moving progress bar and bounded per-batch memory.
+PIECE_CHARS = 1 << 18
+HUB_PROBE_TIMEOUT_S = 2.0
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class DataError(ValueError):
+    """A user-facing data problem; the message is one line that names the fix."""
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """Exception text collapsed to one line, because DataError messages must stay single-line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
+    if cfg.source not in SOURCES:
+        raise DataError(f"data.source={cfg.source!r} is unknown; use one of {', '.join(SOURCES)}")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r} is unknown; use one of {', '.join(TOKENIZERS)}")
+    if not 0.0 < cfg.val_fraction <= 0.5:
+        raise DataError(f"data.val_fraction={cfg.val_fraction} is out of range; use a value in (0, 0.5]")
+    if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size < BYTE_VOCAB + 1:
+        # ByteLevel BPE always holds the 256 byte symbols plus the end-of-text token.
+        raise DataError(
+            f"data.bpe_vocab_size={cfg.bpe_vocab_size} is too small; use at least {BYTE_VOCAB + 1} "
+            "(256 byte symbols + <|endoftext|>)"
+        )
+    if cfg.source == "local" and not cfg.path:
+        raise DataError("data.source=local needs files: set data.path=[file, folder or glob, ...]")
+    if cfg.source == "hub" and not cfg.name:
+        raise DataError("data.source=hub needs a dataset: set data.name (e.g. data.name=wikitext)")
+    if cfg.num_workers < 0:
+        raise DataError(f"data.num_workers={cfg.num_workers} is negative; use 0 or more")
+    if seq_len < 1 or batch_size < 1:
+        raise DataError(f"seq_len={seq_len} and batch_size={batch_size} must both be at least 1")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CKPTLAB_CACHE") or Path.home() / ".cache" / "ckptlab" / "data")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------------
+
+
+def _embedded_docs() -> list[str]:
+    """The pydoc topics, one document each (PSF-2.0 licensed, shipped with CPython)."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def resolve_local_files(paths: Sequence[str]) -> list[Path]:
+    """Expand files, folders and globs into a de-duplicated, deterministically ordered file list."""
+    files: list[Path] = []
+    seen: set[Path] = set()
+
+    def add(p: Path) -> None:
+        real = p.resolve()
+        if real not in seen:
+            seen.add(real)
+            files.append(real)
+
+    def add_tree(root: Path) -> None:
+        for dirpath, dirnames, filenames in os.walk(root):
+            # Sorting in place fixes os.walk's traversal order, so runs are reproducible across file systems.
+            dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
+            for fn in sorted(filenames):
+                f = Path(dirpath) / fn
+                if not _is_hidden(fn) and f.is_file():
+                    add(f)
+
+    for raw in paths:
+        entry = os.path.expanduser(str(raw))
+        if glob.has_magic(entry):
+            matches = sorted(glob.glob(entry, recursive=True))
+            if not matches:
+                raise DataError(f"data.path: glob {raw!r} matched nothing (cwd {os.getcwd()}); fix the pattern")
+            for m in matches:
+                mp = Path(m)
+                if mp.is_dir():
+                    add_tree(mp)
+                elif mp.is_file():
+                    add(mp)
+            continue
+        p = Path(entry)
+        if not p.exists():
+            raise DataError(
+                f"data.path: {raw!r} does not exist (cwd {os.getcwd()}); give an existing file, folder or glob"
+            )
+        if p.is_dir():
+            add_tree(p)
+        else:
+            add(p)
+    if not files:
+        raise DataError(f"data.path: {list(paths)} contains no files; point data.path at text files")
+    return files
+
+
+def _read_text_file(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data[:BINARY_SNIFF_BYTES]:
+        raise DataError(
+            f"data.path: {str(path)!r} looks binary (NUL bytes in its first 8 KiB); remove it or narrow "
+            "data.path to text files (e.g. a glob like dir/**/*.txt)"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        text = data.decode("utf-8", errors="replace")
+        # Replacement is a policy choice, not silent: say where and how much, once per file.
+        log.warning(
+            "%s is not valid UTF-8 (first bad byte at offset %d); decoded %d invalid sequence(s) as U+FFFD",
+            path,
+            exc.start,
+            text.count("\ufffd") - data.count("\ufffd".encode()),
+        )
+    return text.removeprefix("\ufeff")
+
+
+def _local_docs(files: Sequence[Path]) -> list[str]:
+    return [_read_text_file(f) for f in files]
+
+
+def _hub_offline_requested() -> bool:
+    import datasets
+
+    env = any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return env or bool(datasets.config.HF_HUB_OFFLINE)
+
+
+@contextlib.contextmanager
+def _forced_offline() -> Iterator[None]:
+    """Offline mode for one call. The libraries read the env vars at import time, so their module
+    flags are switched too; setting only the env would be ignored by an already imported `datasets`."""
+    import datasets
+    import huggingface_hub.constants as hub_constants
+
+    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    saved_env = {n: os.environ.get(n) for n in names}
+    saved = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE)
+    for n in names:
+        os.environ[n] = "1"
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for n, v in saved_env.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """TCP-connect to the hub endpoint. Run in a thread because name resolution has no timeout of
+    its own; without this a dead resolver would stall for tens of seconds."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    result: dict[str, bool] = {}
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                result["ok"] = True
+        except OSError:
+            result["ok"] = False
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return result.get("ok", False), f"{host}:{port}"
+
+
+def _hub_docs(cfg: DataConfig) -> list[str]:
+    import datasets
+
+    name = str(cfg.name)
+    where = f"{name!r}" + (f" ({cfg.config_name})" if cfg.config_name else "") + f" split {cfg.split!r}"
+    local_fix = "use data.source=local data.path=<your text files>"
+
+    def load() -> Any:
+        return datasets.load_dataset(name, cfg.config_name, split=cfg.split)
+
+    if _hub_offline_requested():
+        try:
+            with _forced_offline():
+                ds = load()
+        except Exception as exc:
+            raise DataError(
+                f"cannot load hub dataset {where} offline and no cached copy: {_one_line(exc)}; "
+                f"run once online to cache it or {local_fix}"
+            ) from exc
+    elif Path(name).exists():
+        # A local dataset folder needs no hub; skip the probe.
+        try:
+            ds = load()
+        except Exception as exc:
+            raise DataError(f"cannot load dataset {where}: {_one_line(exc)}; check data.name") from exc
+    else:
+        ok, endpoint = _hub_reachable()
+        if ok:
+            try:
+                ds = load()
+            except Exception as exc:
+                raise DataError(
+                    f"cannot load hub dataset {where}: {_one_line(exc)}; "
+                    "check data.name, data.config_name and data.split"
+                ) from exc
+        else:
+            log.warning("hub %s unreachable; trying a cached copy of %s", endpoint, name)
+            try:
+                with _forced_offline():
+                    ds = load()
+            except Exception as exc:
+                raise DataError(
+                    f"hub {endpoint} is unreachable and there is no cached copy of {where}: "
+                    f"{_one_line(exc)}; {local_fix}"
+                ) from exc
+
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"hub dataset {where} did not load as one split; set data.split (e.g. data.split=train)")
+    if cfg.text_field not in ds.column_names:
+        raise DataError(
+            f"data.text_field={cfg.text_field!r} is not a column of {name!r}; columns: {ds.column_names}; "
+            "set data.text_field to one of them"
+        )
+    feature = ds.features[cfg.text_field]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise DataError(
+            f"data.text_field={cfg.text_field!r} of {name!r} holds {feature}, not text; "
+            f"pick a string column from {ds.column_names}"
+        )
+    return [t for t in ds[cfg.text_field] if t]
+
+
+# --------------------------------------------------------------------------------------------------
+# Split
+# --------------------------------------------------------------------------------------------------
+
+
+def _cut_near_newline(text: str, pos: int) -> int:
+    """Index just after the newline nearest to `pos`, kept strictly inside the text so both sides
+    are non-empty; falls back to `pos` itself for text without a usable newline."""
+    pos = min(max(pos, 1), len(text) - 1)
+    before = text.rfind("\n", 0, pos)
+    after = text.find("\n", pos)
+    candidates = [i + 1 for i in (before, after) if i != -1 and 0 < i + 1 < len(text)]
+    if not candidates:
+        return pos
+    return min(candidates, key=lambda c: (abs(c - pos), c))
+
+
+def split_documents(docs: Sequence[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Deterministic document-level train/val split.
+
+    Splitting whole documents keeps val text unseen by the BPE trainer. Documents are visited in a
+    seed-shuffled order and moved to val until val holds `val_fraction` of the characters. A document
+    that alone would make val larger than train is skipped; if that leaves val short (always the case
+    for a single big file), the largest train document is cut at the newline nearest the shortfall.
+    """
+    total = sum(len(d) for d in docs)
+    target = val_fraction * total
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    in_val: set[int] = set()
+    val_chars = 0
+    for i in order:
+        if val_chars >= target:
+            break
+        if val_chars + len(docs[i]) > total / 2:
+            continue
+        in_val.add(i)
+        val_chars += len(docs[i])
+    train = [docs[i] for i in order if i not in in_val]
+    val = [docs[i] for i in order if i in in_val]
+    shortfall = int(round(target - val_chars))
+    if shortfall > 0 and train:
+        big = max(range(len(train)), key=lambda j: len(train[j]))
+        text = train[big]
+        if len(text) >= 2:
+            cut = _cut_near_newline(text, len(text) - shortfall)
+            train[big], tail = text[:cut], text[cut:]
+            val.append(tail)
+    return train, val
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenization
+# --------------------------------------------------------------------------------------------------
+
+
+def _pieces(docs: Sequence[str]) -> tuple[list[str], list[bool]]:
+    """Cut documents into <= PIECE_CHARS pieces at line ends; `starts` marks a piece that opens a
+    document after the first, i.e. where the document separator goes."""
+    texts: list[str] = []
+    starts: list[bool] = []
+    for d, doc in enumerate(docs):
+        pos = 0
+        while pos < len(doc):
+            end = min(pos + PIECE_CHARS, len(doc))
+            if end < len(doc):
+                nl = doc.rfind("\n", pos, end)
+                if nl > pos:
+                    end = nl + 1
+            texts.append(doc[pos:end])
+            starts.append(d > 0 and pos == 0)
+            pos = end
+    return texts, starts
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def _tokenize_to_npy(docs: Sequence[str], encode: Any, sep: list[int], dtype: np.dtype, out: Path, desc: str) -> int:
+    """Tokenize through a `datasets` map (batched, with a progress bar) and stream the ids into a
+    .npy file without ever holding a Python list of the whole corpus."""
+    import datasets
+    import pyarrow.compute as pc
+
+    texts, starts = _pieces(docs)
+    sep_arr = np.asarray(sep, dtype=dtype)
+
+    def batch_fn(batch: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
+        ids = encode(batch["text"])
+        return {
+            "ids": [
+                np.concatenate([sep_arr, np.asarray(x, dtype=dtype)]) if s else np.asarray(x, dtype=dtype)
+                for x, s in zip(ids, batch["start"], strict=True)
+            ]
+        }
+
+    ds = datasets.Dataset.from_dict({"text": texts, "start": starts})
+    ds = ds.map(batch_fn, batched=True, batch_size=64, remove_columns=["text", "start"], desc=desc)
+    chunks = ds.data.column("ids").chunks
+    total = int(sum(pc.sum(pc.list_value_length(c)).as_py() or 0 for c in chunks))
+    arr = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
+    pos = 0
+    for c in chunks:
+        flat = pc.list_flatten(c).to_numpy(zero_copy_only=False)
+        arr[pos : pos + len(flat)] = flat
+        pos += len(flat)
+    arr.flush()
+    del arr
+    return total
+
+
+def _byte_encode(texts: list[str]) -> list[np.ndarray]:
+    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+def _train_bpe(train_docs: Sequence[str], vocab_size: int) -> Any:
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    texts, _ = _pieces(train_docs)
+    tok.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT], show_progress=True, length=len(texts)
+    )
+    return tok
+
+
+def _remove_stale_tmp_dirs(cache_dir: Path, max_age_s: float = 24 * 3600) -> None:
+    """Drop temp dirs left by killed runs; young ones may belong to a run still writing."""
+    now = time.time()
+    for p in cache_dir.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if p.is_dir() and now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------------------
+
+
+class TokenBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Non-overlapping blocks of seq_len + 1 tokens from a cached token array, as (x, y = x shifted)."""
+
+    def __init__(self, path: Path, seq_len: int) -> None:
+        self.path = path
+        self.block = seq_len + 1
+        self._tokens: np.ndarray | None = None
+        self.n_tokens = len(self.tokens)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        # Opened lazily so worker processes map the file themselves instead of receiving a pickled copy.
+        if self._tokens is None:
+            self._tokens = np.load(self.path, mmap_mode="r")
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tokens"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self.n_tokens // self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        chunk = torch.from_numpy(self.tokens[i * self.block : (i + 1) * self.block].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+# --------------------------------------------------------------------------------------------------
+# DataModule
+# --------------------------------------------------------------------------------------------------
+
+
+class TextDataModule(L.LightningDataModule):
+    """Prepares (once, cached) and serves a tokenized text corpus as [batch_size, seq_len] blocks."""
+
+    def __init__(self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int) -> None:
+        super().__init__()
+        if isinstance(cfg.path, str):  # a single path given programmatically
+            cfg.path = [cfg.path]
+        _validate(cfg, seq_len, batch_size)
+        self.cfg = cfg
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+        self._key: str | None = None
+        self._description: dict[str, Any] | None = None
+        self._prepared = False
+        self._train: TokenBlocks | None = None
+        self._val: TokenBlocks | None = None
+        self._meta: dict[str, Any] | None = None
+        self._tokenizer: Any = None
+
+    # ---- cache key ------------------------------------------------------------------------------
+
+    def _source_description(self) -> dict[str, Any]:
+        """Everything that determines the token arrays; hashed into the cache key."""
+        if self._description is not None:
+            return self._description
+        cfg = self.cfg
+        desc: dict[str, Any] = {"source": cfg.source}
+        if cfg.source == "embedded":
+            # Topics change between Python releases; hashing the content catches that exactly.
+            h = hashlib.sha256()
+            for doc in _embedded_docs():
+                h.update(doc.encode("utf-8", errors="surrogatepass") + b"\0")
+            desc["content_sha256"] = h.hexdigest()
+        elif cfg.source == "local":
+            files = resolve_local_files(list(cfg.path))
+            stats = [(str(f), f.stat()) for f in files]
+            if all(s.st_size == 0 for _, s in stats):
+                raise DataError(f"data.path: {list(cfg.path)} holds only empty files; point it at text")
+            desc["files"] = [[name, s.st_size, s.st_mtime_ns] for name, s in stats]
+        else:
+            desc.update(name=cfg.name, config_name=cfg.config_name, split=cfg.split, text_field=cfg.text_field)
+        desc.update(
+            tokenizer=cfg.tokenizer,
+            bpe_vocab_size=cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
+            val_fraction=cfg.val_fraction,
+            seed=self.seed,
+            format_version=FORMAT_VERSION,
+        )
+        self._description = desc
+        return desc
+
+    @property
+    def cache_key(self) -> str:
+        if self._key is None:
+            blob = json.dumps(self._source_description(), sort_keys=True).encode()
+            self._key = hashlib.sha256(blob).hexdigest()[:16]
+        return self._key
+
+    @property
+    def cache_path(self) -> Path:
+        return self.cache_dir / self.cache_key
+
+    def _source_label(self) -> str:
+        cfg = self.cfg
+        if cfg.source == "embedded":
+            return "embedded:pydoc_data.topics"
+        if cfg.source == "local":
+            return f"local:{','.join(map(str, cfg.path))}"
+        return f"hub:{cfg.name}" + (f"/{cfg.config_name}" if cfg.config_name else "") + f":{cfg.split}"
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        entry = self.cache_path
+        if (entry / "meta.json").is_file():
+            # train.py and Lightning both call this; report the hit once per module.
+            (log.debug if self._prepared else log.info)("using cached corpus %s", entry)
+            self._prepared = True
+            return
+        t0 = time.perf_counter()
+        self._build(entry)
+        self._prepared = True
+        log.info("prepared corpus %s in %.1fs", entry, time.perf_counter() - t0)
+
+    def _load_docs(self) -> list[str]:
+        cfg = self.cfg
+        if cfg.source == "embedded":
+            docs = _embedded_docs()
+        elif cfg.source == "local":
+            docs = _local_docs(resolve_local_files(list(cfg.path)))
+        else:
+            docs = _hub_docs(cfg)
+        docs = [d for d in docs if d.strip()]
+        if not docs:
+            raise DataError(f"corpus {self._source_label()!r} has no text (only empty documents); give it text")
+        return docs
+
+    def _build(self, entry: Path) -> None:
+        cfg = self.cfg
+        docs = self._load_docs()
+        train_docs, val_docs = split_documents(docs, cfg.val_fraction, self.seed)
+        if not train_docs or not val_docs:
+            raise DataError(
+                f"corpus {self._source_label()!r} is too small to split ({sum(map(len, docs))} chars); "
+                "add text or raise data.val_fraction"
+            )
+        log.info(
+            "tokenizing %s: %d train / %d val documents, %d chars, tokenizer=%s",
+            self._source_label(),
+            len(train_docs),
+            len(val_docs),
+            sum(map(len, docs)),
+            cfg.tokenizer,
+        )
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp_dirs(self.cache_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=self.cache_dir))
+        try:
+            if cfg.tokenizer == "byte":
+                vocab_size = BYTE_VOCAB
+                encode: Any = _byte_encode
+                sep = list(BYTE_DOC_SEPARATOR.encode())
+            else:
+                tok = _train_bpe(train_docs, cfg.bpe_vocab_size)
+                tok.save(str(tmp / "tokenizer.json"))
+                vocab_size = tok.get_vocab_size()
+                eot = tok.token_to_id(EOT)
+
+                def encode(texts: list[str]) -> list[list[int]]:
+                    return [e.ids for e in tok.encode_batch(texts)]
+
+                sep = [eot]
+            dtype = _token_dtype(vocab_size)
+            n_train = _tokenize_to_npy(train_docs, encode, sep, dtype, tmp / "train.npy", "tokenizing train")
+            n_val = _tokenize_to_npy(val_docs, encode, sep, dtype, tmp / "val.npy", "tokenizing val")
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "source": self._source_label(),
+                "description": self._source_description(),
+                "tokenizer": cfg.tokenizer,
+                "vocab_size": vocab_size,
+                "dtype": dtype.name,
+                "train_tokens": n_train,
+                "val_tokens": n_val,
+                "n_docs": {"train": len(train_docs), "val": len(val_docs)},
+                "chars": {"train": sum(map(len, train_docs)), "val": sum(map(len, val_docs))},
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            try:
+                os.replace(tmp, entry)
+            except OSError:
+                # A concurrent run placed the same entry first; its content is identical by construction.
+                if not (entry / "meta.json").is_file():
+                    raise
+                log.info("corpus %s was prepared concurrently; using that copy", entry)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None:
+            return
+        entry = self.cache_path
+        if not (entry / "meta.json").is_file():
+            # Calling setup() alone should work too; prepare_data is idempotent and atomic.
+            self.prepare_data()
+        meta = json.loads((entry / "meta.json").read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise DataError(f"cache entry {entry} has another format; delete it and rerun")
+        train = TokenBlocks(entry / "train.npy", self.seq_len)
+        val = TokenBlocks(entry / "val.npy", self.seq_len)
+        need = self.batch_size * (self.seq_len + 1)
+        if len(train) < self.batch_size or len(val) < self.batch_size:
+            raise DataError(
+                f"corpus {meta['source']!r} has {train.n_tokens} train / {val.n_tokens} val tokens but one "
+                f"batch needs {need} (batch_size {self.batch_size} x (seq_len {self.seq_len} + 1)) in each; "
+                "use a smaller seq_len or batch_size, a larger data.val_fraction, or more text"
+            )
+        if meta["tokenizer"] == "bpe":
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
+        self._meta, self._train, self._val = meta, train, val
+        log.info(
+            "corpus %s: vocab %d, %d train tokens (%d blocks), %d val tokens (%d blocks)",
+            meta["source"],
+            meta["vocab_size"],
+            train.n_tokens,
+            len(train),
+            val.n_tokens,
+            len(val),
+        )
+
+    # ---- accessors ------------------------------------------------------------------------------
+
+    def _require_setup(self) -> dict[str, Any]:
+        if self._meta is None:
+            raise RuntimeError("TextDataModule: call prepare_data() and setup() first")
+        return self._meta
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._require_setup()["vocab_size"])
+
+    @property
+    def train_tokens(self) -> int:
+        return int(self._require_setup()["train_tokens"])
+
+    @property
+    def val_tokens(self) -> int:
+        return int(self._require_setup()["val_tokens"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self._require_setup()
+        ids = [int(i) for i in ids]
+        if self._tokenizer is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Inverse of decode (e.g. for sampling prompts)."""
+        self._require_setup()
+        if self._tokenizer is None:
+            return list(text.encode("utf-8"))
+        return list(self._tokenizer.encode(text).ids)
+
+    def _loader(self, ds: TokenBlocks, shuffle: bool) -> DataLoader:
+        workers = self.cfg.num_workers
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            # A fresh generator per loader keeps the train order a function of the seed alone.
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            drop_last=True,  # every batch full-shape; setup() guarantees at least one batch
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self._require_setup()
+        assert self._train is not None
+        return self._loader(self._train, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self._require_setup()
+        assert self._val is not None
+        return self._loader(self._val, shuffle=False)

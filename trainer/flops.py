@@ -1,0 +1,55 @@
+"""FLOP counting that also sees the CPU fused attention kernel.
+
+Stock ``FlopCounterMode`` has formulas for the CUDA SDPA kernels only. On CPU, ``scaled_dot_product_attention``
+with dropout 0 dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``),
+which have no formula and no decomposition, so the counter silently counts attention as 0 FLOPs and any
+recompute-cost figure for attention policies comes out wrong. The CPU ops take (query, key, value, ...) and
+(grad_out, query, key, value, ...) in the same positions as the CUDA flash ops, so the library's own SDPA
+formulas apply unchanged.
+
+The registration is global (it goes into torch's registry), so every ``FlopCounterMode`` in the process,
+including Lightning's ``measure_flops``, counts the CPU kernel once this module is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import flop_counter as _fc
+
+_aten = torch.ops.aten
+
+
+def _register_cpu_sdpa_formulas() -> None:
+    # (op name, library formula): the library's formulas are already shape-wrapped by their own
+    # registration, hence get_raw=True below (wrapping them again would pass out_shape twice).
+    pairs = [
+        ("_scaled_dot_product_flash_attention_for_cpu", getattr(_fc, "sdpa_flop", None)),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", getattr(_fc, "sdpa_backward_flop", None)),
+    ]
+    for name, formula in pairs:
+        if formula is None or not hasattr(_aten, name):
+            continue
+        op = getattr(_aten, name)
+        # Guarded so a module reload, or a torch that learns these ops itself, is not a duplicate
+        # registration (register_flop_formula raises on duplicates).
+        if op in _fc.flop_registry:
+            continue
+        _fc.register_flop_formula(op, get_raw=True)(formula)
+
+
+_register_cpu_sdpa_formulas()
+
+
+def flop_counter() -> _fc.FlopCounterMode:
+    """A quiet FlopCounterMode (no table printed on exit) that knows the CPU SDPA kernels."""
+    return _fc.FlopCounterMode(display=False)
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Total FLOPs of running ``fn()``: forward, and backward too if ``fn`` calls it."""
+    with flop_counter() as counter:
+        fn()
+    return counter.get_total_flops()

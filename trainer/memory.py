@@ -1,0 +1,293 @@
+"""Measuring activation memory: a live-tensor tracker that works on any device, plus CUDA allocator counters.
+
+One library for the measuring callback, the estimator's tests and the benchmark, so that every figure the
+project reports comes from the same bookkeeping.
+
+Why a dispatch mode and not ``saved_tensors_hooks``: the hooks only see what autograd saves *outside*
+checkpoint regions. They miss what a checkpoint's recompute holds during backward and never see the cache
+of selective activation checkpointing, so they report SAC as if it were full recompute. A dispatch mode
+sees every tensor that every op creates, including recompute and the SAC cache, and a weakref on each
+storage tells when the bytes are given back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten
+
+MIB = 2**20
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+class TimelinePoint(NamedTuple):
+    """Live bytes right after one op; ``phase`` is "backward" when the op ran inside the autograd engine."""
+
+    op_index: int
+    live_bytes: int
+    phase: str
+    op_name: str
+
+
+class _Window:
+    """Bookkeeping for one enter/exit window.
+
+    Kept apart from the mode object so that storages outliving the window (a parameter's .grad lives on
+    into the next step) only hold a weak reference to it: their free callbacks become no-ops once nobody
+    needs the window's figures any more, and a re-entered tracker starts clean instead of being
+    decremented by last window's frees.
+    """
+
+    def __init__(self) -> None:
+        # Storage identity is the StorageImpl address (``_cdata``), not ``data_ptr``: views, detach() and
+        # in-place results share the StorageImpl, a resize keeps it while moving the data, and meta tensors
+        # all have data_ptr 0 yet distinct StorageImpls.
+        self.live: dict[int, tuple[int, int, weakref.ref]] = {}  # cdata -> (record id, nbytes, weakref)
+        self.next_record = 0
+        # (record id, signed byte delta) in the order things happened; replayed by peak_bytes_excluding.
+        self.events: list[tuple[int, int]] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        # The autograd engine may run backward on its own thread (CUDA) and storages may die there.
+        self.lock = threading.RLock()
+        # What each free callback holds: a weak reference, so leftover storages don't pin the window.
+        self.weak_self = weakref.ref(self)
+
+    def add(self, delta: int, record: int) -> None:
+        with self.lock:
+            self.events.append((record, delta))
+            self.live_bytes += delta
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+
+
+def _on_storage_freed(window_ref: weakref.ref, cdata: int, record: int) -> None:
+    window = window_ref()
+    if window is None:
+        return
+    with window.lock:
+        entry = window.live.get(cdata)
+        # The address may already belong to a newer storage only if this callback were late; check the
+        # record id so a late callback can never subtract someone else's bytes.
+        if entry is None or entry[0] != record:
+            return
+        del window.live[cdata]
+        window.add(-entry[1], record)
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Tracks bytes of tensor storages CREATED while the mode is active, minus those freed since.
+
+    Gives the true peak over forward + backward, including what checkpoint recompute and SAC caches hold,
+    which saved_tensors_hooks cannot see. Storages that existed before the window (parameters, the input
+    batch) are not counted: the figures are what the step itself adds.
+
+    Enter it OUTSIDE any checkpoint region: the checkpoint and SAC modes pushed later sit above it on the
+    mode stack and forward their ops to it. Usable as ``with LiveTensorTracker() as t:`` or as
+    ``t.__enter__()`` / ``t.__exit__(None, None, None)`` from two hooks, as long as the mode stack is
+    balanced in between (checked on exit). Each enter starts a fresh window.
+
+    Costs Python work per op: meant for chosen steps, not every step of a timed run.
+    """
+
+    def __init__(self, record_timeline: bool = False, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self.record_timeline = record_timeline
+        # Count only storages of this device type, so e.g. activations offloaded to CPU don't count as
+        # accelerator memory.
+        self.device_type: str | None = None if device is None else torch.device(device).type
+        self.timeline: list[TimelinePoint] = []
+        self._window = _Window()
+        self._op_index = 0
+        self._active = False
+
+    # -- mode protocol ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> LiveTensorTracker:
+        if self._active:
+            raise RuntimeError("LiveTensorTracker is already active; use a second tracker to nest")
+        self._window = _Window()
+        self.timeline = []
+        self._op_index = 0
+        self._active = True
+        super().__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        # TorchDispatchMode.__exit__ pops whatever mode is on top; exiting from a callback hook with some
+        # other mode still pushed would silently pop that one instead and leave us active.
+        top = _get_current_dispatch_mode()
+        if top is not self:
+            raise RuntimeError(
+                f"LiveTensorTracker exited while {type(top).__name__} is the innermost dispatch mode; "
+                "modes entered after the tracker must be exited first"
+            )
+        super().__exit__(exc_type, exc_val, exc_tb)
+        self._active = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        window = self._window
+        input_storages: set[int] | None = None
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                # Wrapper subclasses (DTensor, ...) have no storage of their own; their inner ops are not
+                # seen by a mode that sits below them.
+                continue
+            if self.device_type is not None and storage.device.type != self.device_type:
+                continue
+            cdata = storage._cdata
+            nbytes = storage.nbytes()
+            with window.lock:
+                entry = window.live.get(cdata)
+                if entry is not None:
+                    # A view, an in-place or out= result: the storage is counted already, but an out= op
+                    # may have resized it.
+                    if entry[1] != nbytes:
+                        window.live[cdata] = (entry[0], nbytes, entry[2])
+                        window.add(nbytes - entry[1], entry[0])
+                    continue
+                if input_storages is None:
+                    input_storages = _storages_of((args, kwargs))
+                if cdata in input_storages:
+                    # An op handing back (a view of) one of its inputs that predates the window.
+                    continue
+                record = window.next_record
+                window.next_record += 1
+                # The callback must not reference the storage (that would keep it alive forever).
+                ref = weakref.ref(
+                    storage,
+                    lambda _r, w=window.weak_self, c=cdata, rec=record: _on_storage_freed(w, c, rec),
+                )
+                # Zero-byte storages are tracked too (no bytes yet) so a later resize_ / out= is counted.
+                window.live[cdata] = (record, nbytes, ref)
+                window.add(nbytes, record)
+        if self.record_timeline:
+            phase = BACKWARD if torch._C._current_autograd_node() is not None else FORWARD
+            self.timeline.append(TimelinePoint(self._op_index, window.live_bytes, phase, str(func)))
+        self._op_index += 1
+        return out
+
+    # -- figures ---------------------------------------------------------------------------------------
+
+    @property
+    def live_bytes(self) -> int:
+        return self._window.live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._window.peak_bytes
+
+    def peak_bytes_excluding(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        """Peak live bytes had the storages of ``tensors`` never been allocated.
+
+        Only storages created in the window and still alive can be matched, e.g. the parameters' .grad
+        tensors a backward creates: "activation peak" = peak excluding gradient buffers. ``None`` entries
+        are skipped so ``[p.grad for p in model.parameters()]`` works with frozen parameters.
+        """
+        window = self._window
+        with window.lock:
+            excluded = set()
+            for t in tensors:
+                if t is None:
+                    continue
+                entry = window.live.get(t.untyped_storage()._cdata)
+                if entry is not None:
+                    excluded.add(entry[0])
+            events = list(window.events)
+        live = peak = 0
+        for record, delta in events:
+            if record in excluded:
+                continue
+            live += delta
+            peak = max(peak, live)
+        return peak
+
+    def timeline_json(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "live_bytes": self.live_bytes,
+            "num_ops": self._op_index,
+            "points": [p._asdict() for p in self.timeline],
+        }
+
+    def save_timeline(self, path_json: str | Path, path_png: str | Path | None = None) -> None:
+        path_json = Path(path_json)
+        path_json.parent.mkdir(parents=True, exist_ok=True)
+        path_json.write_text(json.dumps(self.timeline_json()))
+        if path_png is not None:
+            _plot_timeline(self.timeline, self.peak_bytes, Path(path_png))
+
+
+def _storages_of(tree: Any) -> set[int]:
+    found = set()
+    for x in tree_flatten(tree)[0]:
+        if isinstance(x, torch.Tensor):
+            try:
+                found.add(x.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+    return found
+
+
+def _plot_timeline(points: list[TimelinePoint], peak_bytes: int, path: Path) -> None:
+    # Figure + Agg canvas rather than pyplot: no global backend switch and no shared pyplot state, so a
+    # plot written from a training callback cannot disturb anyone else's figures.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = [p.op_index for p in points]
+    ys = [p.live_bytes / MIB for p in points]
+    ax.plot(xs, ys, lw=1.0, color="tab:blue")
+    start = None
+    for i, p in enumerate(points):
+        if p.phase == BACKWARD and start is None:
+            start = p.op_index
+        ending = start is not None and (i + 1 == len(points) or points[i + 1].phase != BACKWARD)
+        if ending:
+            ax.axvspan(start, p.op_index, color="tab:orange", alpha=0.15, lw=0)
+            start = None
+    ax.axhline(peak_bytes / MIB, color="tab:red", ls="--", lw=0.8, label=f"peak {peak_bytes / MIB:.2f} MiB")
+    ax.set_xlabel("op index (shaded: backward)")
+    ax.set_ylabel("live tensor memory (MiB)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def cuda_memory_counters(device: int | str | torch.device | None = None) -> dict[str, float]:
+    """Allocator peaks since the last reset, in MiB, plus retries and OOMs; {} without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / MIB,
+        "peak_reserved_mib": stats.get("reserved_bytes.all.peak", 0) / MIB,
+        # Retries mean the allocator had to flush its cache to satisfy a request: the run is close to
+        # the memory limit even if it never OOMs.
+        "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        "num_ooms": float(stats.get("num_ooms", 0)),
+    }
+
+
+def reset_cuda_peaks(device: int | str | torch.device | None = None) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,104 @@
+"""The LightningModule: a GPT with an activation-memory policy, AdamW groups, warm-up + cosine LR."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from models.gpt import GPT, GPTConfig
+from trainer.policies import Policy, apply_policy, build_policy
+from trainer.schema import OptimConfig
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine down to `min_ratio` at `total` steps, flat after."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matmul weights only: decaying norms, biases or embeddings pulls them to zero for no benefit."""
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for p in model.parameters():  # tied weights appear once
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class GPTModule(L.LightningModule):
+    def __init__(
+        self,
+        model: GPTConfig | dict[str, Any],
+        policy: Policy | dict[str, Any] | str = "none",
+        optim: OptimConfig | dict[str, Any] | None = None,
+        max_steps: int = 1000,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model_config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        self.policy = policy if isinstance(policy, Policy) else build_policy(policy)
+        self.max_steps = max_steps
+        self.compile = compile
+        self._compiled = False
+        # Plain dicts only: checkpoints stay loadable with weights_only=True.
+        self.save_hyperparameters(
+            {"model": asdict(self.model_config), "optim": asdict(self.optim), "policy": self.policy.cfg.name},
+            logger=False,
+        )
+        self.model = GPT(self.model_config)
+        apply_policy(self.model, self.policy)
+        self._val_loss_sum = torch.zeros(())
+        self._val_batches = 0
+
+    def configure_model(self) -> None:
+        # After the policy (so compile sees the checkpoint regions) and once the model is on its device.
+        if self.compile and not self._compiled:
+            self.model.compile()
+            self._compiled = True
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        return self.model(idx, targets)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        # The per-optimizer-step train/loss (mean over micro-batches) is logged by the measuring callback;
+        # this one only feeds the progress bar.
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=x.size(0))
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_loss_sum = torch.zeros((), device=self.device)
+        self._val_batches = 0
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.model(x, y)
+        self._val_loss_sum += loss.detach().float()
+        self._val_batches += 1
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_batches:
+            return
+        val_loss = self._val_loss_sum / self._val_batches
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim
+        opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, o.warmup_steps, self.max_steps, o.min_lr / o.lr)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,177 @@
+"""Structured-config schema: every knob typed, every bad value refused before any work starts.
+
+Hydra merges conf/ onto these dataclasses, so a wrong type (`accum=abc`) or an unknown key fails at compose time;
+`validate()` turns the composed config into objects, which runs each `__post_init__` range check. Kept free of
+Lightning and datasets imports so a bad command line fails in a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from models.gpt import GPTConfig
+
+PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line that names the fix."""
+
+
+@dataclass
+class ModelConfig(GPTConfig):
+    name: str = "tiny"
+    vocab_size: int | None = None  # type: ignore[assignment]  # None: take it from the tokenizer
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # embedded | local | hub
+    # local: files, folders (every non-hidden regular file, recursively) or globs ("**" allowed)
+    path: list[str] = field(default_factory=list)
+    name: str | None = None  # hub: dataset name, e.g. "wikitext"
+    config_name: str | None = None  # hub: e.g. "wikitext-103-raw-v1"
+    split: str = "train"  # hub split to read
+    text_field: str = "text"  # hub column holding the text
+    tokenizer: str = "byte"  # byte (vocab 256) | bpe (trained on the train split, cached)
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.05
+    cache_dir: str | None = None  # None: $CKPTLAB_CACHE or ~/.cache/ckptlab/data
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # cosine decays to this at trainer.max_steps
+    warmup_steps: int = 20  # linear warm-up, in optimizer steps
+    weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings get none
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.lr={self.lr}, optim.min_lr={self.min_lr}: need 0 ≤ min_lr ≤ lr and lr > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be ≥ 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas} must be two numbers in [0, 1)")
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "default"
+    max_steps: int = 200  # optimizer steps (each = `accum` micro-batches)
+    val_every_n_steps: int = 50  # optimizer steps between validations
+    val_batches: int = 8  # batches per validation
+    grad_clip: float = 1.0  # clip the global grad norm; 0 disables
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    num_nodes: int = 1
+    compile: bool = False  # torch.compile the model (after the policy is applied)
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "val_every_n_steps", "val_batches", "num_nodes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key}={getattr(self, key)} must be ≥ 1")
+        if self.grad_clip < 0:
+            raise ValueError(f"trainer.grad_clip={self.grad_clip} must be ≥ 0 (0 disables clipping)")
+
+
+@dataclass
+class MeasureConfig:
+    warmup_steps: int = 3  # first optimizer steps left out of the summary (allocator, caches, lazy init)
+    # Optimizer steps between live-tensor tracking of one micro-batch (Python per op: too slow for every step;
+    # tracked steps are left out of the time figures). 0 disables the tracker.
+    activation_every_n_steps: int = 25
+    device_stats: bool = False  # also add Lightning's DeviceStatsMonitor (every allocator stat, verbose)
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.activation_every_n_steps < 0:
+            raise ValueError("measure.warmup_steps and measure.activation_every_n_steps must be ≥ 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # Validated by trainer.policies.build_policy: each policy has its own parameters.
+    policy: Any = field(default_factory=lambda: {"name": "none"})
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    accum: int = 1  # micro-batches per optimizer step (Lightning's accumulate_grad_batches)
+    precision: str = "bf16-mixed"
+    seed: int = 1337
+    batch_size: int = 8  # micro-batch size, in sequences
+    seq_len: int = 256  # tokens per sequence; ≤ model.block_size
+
+    def __post_init__(self) -> None:
+        if self.accum < 1:
+            raise ValueError(f"accum={self.accum} must be ≥ 1 (micro-batches per optimizer step)")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be ≥ 1")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be ≥ 1")
+        if self.seq_len > self.model.block_size:
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds model.block_size={self.model.block_size}; "
+                f"lower seq_len or raise model.block_size"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.accum * self.batch_size * self.seq_len
+
+
+def register_configs() -> None:
+    """Make conf/config.yaml's `- schema` default resolve to the dataclass, so Hydra type-checks overrides."""
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def validate(cfg: DictConfig) -> Config:
+    """Composed config → typed objects, running every range check; raises ConfigError with one line."""
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or ""
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def describe_user_error(e: BaseException) -> str | None:
+    """One line for a mistake in the command line or config; None for anything else (a real bug: traceback)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        options = ", ".join(sorted(e.options or []))
+        return f"unknown {group} {option!r}; choose one of: {options}" if options else str(e).splitlines()[0]
+    if isinstance(e, ConfigCompositionException):
+        head = str(e).splitlines()[0].rstrip(".")
+        cause = e.__cause__
+        if "Could not override" in head or (cause is not None and "not in struct" in str(cause)):
+            key = head.split("'")[1] if "'" in head else head
+            return f"unknown config key {key!r}; see the valid keys with: python train.py --cfg job"
+        if cause is not None:
+            return f"{head}: {str(cause).splitlines()[0]}"
+        return head
+    if isinstance(e, OverrideParseException):
+        return f"cannot parse the command line: {str(e).splitlines()[0]}"
+    if isinstance(e, OmegaConfBaseException):
+        key = getattr(e, "full_key", "") or ""
+        return f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
+    if type(e).__name__ in ("ConfigError", "PolicyError", "DataError"):
+        return str(e).splitlines()[0]
+    return None
