@@ -26,8 +26,20 @@ def main(cfg: DictConfig) -> float | None:
 
     from trainer.run import train  # Lightning and datasets load only once the config is known to be good
 
-    summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except Exception as e:
+        # Exit here rather than raise: Hydra would wrap a raised error in a report of its own.
+        _exit_if_user_error(e)
+        raise
     return summary.get("final_val_loss")  # the objective for Hydra sweepers that optimise
+
+
+def _exit_if_user_error(e: Exception) -> None:
+    line = describe_user_error(e)
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 def cli() -> None:
@@ -36,11 +48,8 @@ def cli() -> None:
     try:
         main()
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        sys.exit(2)
+        _exit_if_user_error(e)
+        raise
 
 
 if __name__ == "__main__":

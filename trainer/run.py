@@ -70,8 +70,11 @@ def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
     return GPTConfig(**values)
 
 
-def train(cfg: DictConfig | Config, run_dir: Path) -> dict[str, Any]:
-    """Train one configuration; returns the summary also written to `run_dir/summary.json`."""
+def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
+    """Train one configuration; returns the summary also written to `run_dir/summary.json`.
+
+    `callbacks` are added to the Trainer's own (tests and tools use them to look inside a run).
+    """
     run_dir = Path(run_dir)
     try:  # everything that can refuse the run, before anything is written
         config = cfg if isinstance(cfg, Config) else validate(cfg)
@@ -93,7 +96,7 @@ def train(cfg: DictConfig | Config, run_dir: Path) -> dict[str, Any]:
         discard_run_dir(run_dir)
         raise
     try:
-        return _fit(config, run_dir, data, module)
+        return _fit(config, run_dir, data, module, callbacks or [])
     except BaseException as e:
         write_json_atomic(run_dir / "summary.json", {"status": "error", "error": f"{type(e).__name__}: {e}"})
         raise
@@ -105,9 +108,11 @@ def discard_run_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _fit(config: Config, run_dir: Path, data: TextDataModule, module: GPTModule) -> dict[str, Any]:
+def _fit(
+    config: Config, run_dir: Path, data: TextDataModule, module: GPTModule, extra: list[L.Callback]
+) -> dict[str, Any]:
     measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
-    callbacks: list[L.Callback] = [measure]
+    callbacks: list[L.Callback] = [measure, *extra]
     if config.trainer.enable_checkpointing:
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0))
     if config.measure.device_stats:

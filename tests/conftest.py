@@ -1,0 +1,58 @@
+"""Shared fixtures: the real Hydra config, composed and shrunk; no network; a private data cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+# Before anything imports `datasets` (it reads these once): tests never touch the network.
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("CKPTLAB_CACHE", tempfile.mkdtemp(prefix="ckptlab-test-cache-"))
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from trainer.schema import register_configs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Tiny shapes: a training step takes milliseconds; every test run of the trainer uses these.
+SMALL = [
+    "model=micro",
+    "trainer=smoke",
+    "seq_len=32",
+    "batch_size=4",
+    "trainer.enable_progress_bar=false",
+    "measure.warmup_steps=1",
+    "measure.activation_every_n_steps=2",
+]
+
+register_configs()
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    def _compose(*overrides: str, small: bool = True) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=[*(SMALL if small else []), *overrides], return_hydra_config=False)
+
+    return _compose
+
+
+def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run train.py as a user would, in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
