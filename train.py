@@ -8,6 +8,7 @@ python train.py --cfg job                         # print the composed config
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -23,11 +24,19 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from trainer.run import train  # Lightning and datasets load only once the config is known to be good
+    from trainer.run import RunFailed, train  # Lightning and datasets load only once the config is known good
 
+    hydra_cfg = HydraConfig.get()
     try:
-        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        summary = train(cfg, Path(hydra_cfg.runtime.output_dir))
+    except RunFailed as e:
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # summary.json records it; one bad cell must not stop the sweep
+            logging.getLogger("train").error("job %s %s", hydra_cfg.job.num, e)
+            return None
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:
         # Exit here rather than raise: Hydra would wrap a raised error in a report of its own.
         _exit_if_user_error(e)

@@ -30,7 +30,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.schema import DataConfig  # the `data` node of the config schema
 
@@ -476,6 +476,65 @@ class TokenBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
+class ResumableRandomSampler(Sampler[int]):
+    """A fresh seeded permutation each epoch, a pure function of (seed, epoch), so any position can be replayed.
+
+    Lightning calls `set_epoch` at every epoch start. `resume_at(epoch, samples)` makes the next pass over that
+    epoch skip the samples a killed run had already trained on.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        self._resume = (epoch, samples)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        skip = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            skip, self._resume = self._resume[1], None
+        yield from order[skip:]
+
+
+class ResumableDataLoader(DataLoader):
+    """A train loader whose position Lightning saves in checkpoints and restores on resume.
+
+    Lightning keeps the `state_dict()` of any train loader that has one and hands it back through
+    `load_state_dict()` before iterating (its `_Stateful` check); without this a mid-epoch resume replays the
+    epoch from its start. The position is read from the trainer's batch counter, not from this iterator, which
+    runs a batch ahead (Lightning prefetches one).
+    """
+
+    def __init__(self, *args: Any, position: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, batches = self._position()
+        return {"epoch": epoch, "batches": batches, "batch_size": int(self.batch_size or 1)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("batch_size") != self.batch_size:
+            raise DataError(
+                f"the checkpoint was trained with batch_size={state.get('batch_size')}, this run has "
+                f"batch_size={self.batch_size}; resume with the same batch_size"
+            )
+        sampler = self.sampler
+        if isinstance(sampler, ResumableRandomSampler):
+            sampler.resume_at(state["epoch"], state["batches"] * state["batch_size"])
+
+
 # --------------------------------------------------------------------------------------------------
 # DataModule
 # --------------------------------------------------------------------------------------------------
@@ -709,26 +768,32 @@ class TextDataModule(L.LightningDataModule):
             return list(text.encode("utf-8"))
         return list(self._tokenizer.encode(text).ids)
 
-    def _loader(self, ds: TokenBlocks, shuffle: bool) -> DataLoader:
+    def _loader_kwargs(self) -> dict[str, Any]:
         workers = self.cfg.num_workers
-        return DataLoader(
-            ds,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            # A fresh generator per loader keeps the train order a function of the seed alone.
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            drop_last=True,  # every batch full-shape; setup() guarantees at least one batch
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return {
+            "batch_size": self.batch_size,
+            "drop_last": True,  # every batch full-shape; setup() guarantees at least one batch
+            "num_workers": workers,
+            "persistent_workers": workers > 0,
+            "pin_memory": torch.cuda.is_available(),
+        }
+
+    def _train_position(self) -> tuple[int, int]:
+        """(epoch, micro-batches of it already trained on), from the trainer's own counters."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 0
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return trainer.current_epoch, progress.processed
 
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._train is not None
-        return self._loader(self._train, shuffle=True)
+        # The order is a function of the seed and the epoch alone, so a resumed run sees the same batches.
+        sampler = ResumableRandomSampler(len(self._train), self.seed)
+        return ResumableDataLoader(self._train, sampler=sampler, position=self._train_position, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._val is not None
-        return self._loader(self._val, shuffle=False)
+        return DataLoader(self._val, shuffle=False, **self._loader_kwargs())

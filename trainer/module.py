@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict
 from typing import Any
 
@@ -50,6 +51,8 @@ class GPTModule(L.LightningModule):
         self.max_steps = max_steps
         self.compile = compile
         self._compiled = False
+        self._sharded = False
+        self.last_loss: torch.Tensor | None = None
         # Plain dicts only: checkpoints stay loadable with weights_only=True.
         self.save_hyperparameters(
             {"model": asdict(self.model_config), "optim": asdict(self.optim), "policy": self.policy.cfg.name},
@@ -61,6 +64,17 @@ class GPTModule(L.LightningModule):
         self._val_batches = 0
 
     def configure_model(self) -> None:
+        # FSDP2 (Lightning's ModelParallelStrategy hands us a device mesh): shard each block, then the root. The
+        # policy was applied in __init__, so recompute happens inside each shard's all-gather/free window.
+        mesh = self.device_mesh
+        if mesh is not None and not self._sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+            for block in self.model.blocks:
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
+            self._sharded = True
         # After the policy (so compile sees the checkpoint regions) and once the model is on its device.
         if self.compile and not self._compiled:
             self.model.compile()
@@ -72,6 +86,7 @@ class GPTModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         _, loss = self.model(x, y)
+        self.last_loss = loss.detach()  # read by the numeric guard to name what went non-finite
         # The per-optimizer-step train/loss (mean over micro-batches) is logged by the measuring callback;
         # this one only feeds the progress bar.
         self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=x.size(0))
@@ -94,6 +109,24 @@ class GPTModule(L.LightningModule):
         val_loss = self._val_loss_sum / self._val_batches
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores weights, optimizer, schedule and loop counters; the RNG that draws dropout masks is
+        # ours to keep, or a resumed run would diverge from an uninterrupted one. Tensors and tuples of ints only,
+        # so the checkpoint still loads with weights_only=True.
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        checkpoint["rng_state"] = rng
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = checkpoint.get("rng_state")
+        if not rng:
+            return
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def configure_optimizers(self) -> Any:
         o = self.optim

@@ -3,17 +3,23 @@
 The run folder (Hydra's output dir) ends up holding:
   .hydra/config.yaml   the resolved config (written by Hydra)
   tb/                  TensorBoard events: scalars per optimizer step, HParams with the run's final figures
-  summary.json         the run's figures and status, written atomically
-  checkpoints/         last.ckpt
+  summary.json         the run's figures and status (completed | oom | error), written atomically
+  checkpoints/         last.ckpt and the newest periodic ones
+
+A run that fails after it started still writes summary.json, with `status` and what it reached, then raises
+`RunFailed`; train.py turns that into one line (single run) or lets the sweep go on (multirun).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import resource
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -24,9 +30,11 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
+from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
 from models.gpt import GPTConfig
 from trainer.data import DataError, TextDataModule
+from trainer.memory import MIB
 from trainer.module import GPTModule
 from trainer.policies import PolicyError, build_policy, policy_params
 from trainer.schema import Config, ConfigError, validate
@@ -41,8 +49,27 @@ USER_ERRORS = (ConfigError, PolicyError, DataError)
 HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before our code runs
 
 
-def preflight(cfg: Config) -> None:
-    """Refuse what the device cannot do, before any data is read."""
+class RunFailed(RuntimeError):
+    """The run started and then failed; summary.json holds `status` ("oom" | "error") and what it reached."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def preflight(cfg: Config, run_dir: Path) -> None:
+    """Refuse what the device, the folder or the checkpoint cannot do, before any data is read."""
     cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
     if cfg.precision == "16-mixed" and not cuda:
         raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=bf16-mixed or 32-true on CPU")
@@ -51,6 +78,57 @@ def preflight(cfg: Config) -> None:
             f"precision={cfg.precision}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
             "use precision=16-mixed or 32-true"
         )
+    if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
+        raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
+    if cfg.ckpt_path is not None:
+        checkpoint_file(cfg.ckpt_path, run_dir)
+
+
+def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
+    """Resolve `ckpt_path` and prove it is a Lightning checkpoint that loads with weights_only, in one line."""
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        hint = (
+            " (ckpt_path=last resumes the run folder given by hydra.run.dir=<run folder>)"
+            if ckpt_path == "last"
+            else ""
+        )
+        raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint at {path}{hint}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a readable checkpoint ({one_line(e, 160)})") from None
+    if not isinstance(state, dict) or "state_dict" not in state or "optimizer_states" not in state:
+        raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a Lightning training checkpoint of this project")
+    return path
+
+
+@contextlib.contextmanager
+def host_memory_limit(mib: int | None) -> Iterator[None]:
+    """Cap the process's data segment so that an allocation past `mib` fails, as a GPU's does past its memory."""
+    if mib is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    held = _data_segment_bytes()
+    if mib * MIB <= held:
+        raise ConfigError(
+            f"trainer.host_memory_limit_mib={mib} is below what the process already holds ({held // MIB} MiB); "
+            f"raise it above {held // MIB + 1}"
+        )
+    resource.setrlimit(resource.RLIMIT_DATA, (mib * MIB, hard))
+    try:
+        yield
+    finally:  # later jobs of a sweep run in this same process
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _data_segment_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -80,7 +158,7 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
         config = cfg if isinstance(cfg, Config) else validate(cfg)
         policy = build_policy(config.policy)
         policy.check(config.model.n_layer, config.model.attention)
-        preflight(config)
+        preflight(config, run_dir)
         L.seed_everything(config.seed, workers=True, verbose=False)
         data = TextDataModule(config.data, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
         data.prepare_data()
@@ -95,11 +173,7 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
     except USER_ERRORS:
         discard_run_dir(run_dir)
         raise
-    try:
-        return _fit(config, run_dir, data, module, callbacks or [])
-    except BaseException as e:
-        write_json_atomic(run_dir / "summary.json", {"status": "error", "error": f"{type(e).__name__}: {e}"})
-        raise
+    return Run(config, run_dir, data, module, callbacks or []).fit()
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -108,79 +182,125 @@ def discard_run_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _fit(
-    config: Config, run_dir: Path, data: TextDataModule, module: GPTModule, extra: list[L.Callback]
-) -> dict[str, Any]:
-    measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
-    callbacks: list[L.Callback] = [measure, *extra]
-    if config.trainer.enable_checkpointing:
-        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0))
-    if config.measure.device_stats:
-        callbacks.append(DeviceStatsMonitor())
-    logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
-    t = config.trainer
-    trainer = L.Trainer(
-        max_steps=t.max_steps,
-        accumulate_grad_batches=config.accum,
-        precision=config.precision,
-        gradient_clip_val=t.grad_clip or None,
-        # Lightning counts validation intervals in micro-batches; the config speaks optimizer steps.
-        val_check_interval=t.val_every_n_steps * config.accum,
-        check_val_every_n_epoch=None,
-        limit_val_batches=t.val_batches,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        accelerator=t.accelerator,
-        devices=t.devices,
-        strategy=t.strategy,
-        num_nodes=t.num_nodes,
-        logger=logger,
-        callbacks=callbacks,
-        enable_checkpointing=t.enable_checkpointing,
-        enable_progress_bar=t.enable_progress_bar,
-        enable_model_summary=False,
-        default_root_dir=str(run_dir),
-    )
-    log.info(
-        "policy=%s plan=%s | %s params | %d train / %d val tokens",
-        module.policy.cfg.name,
-        module.model.activation_plan.describe(),
-        f"{module.model.num_parameters():,}",
-        data.train_tokens,
-        data.val_tokens,
-    )
-    trainer.fit(module, datamodule=data)
-    final = trainer.validate(module, datamodule=data, verbose=False)
-    val_loss = final[0].get("val/loss") if final else None
+class Run:
+    """The Trainer and its callbacks for one configuration, and the summary they produce."""
 
-    summary: dict[str, Any] = {
-        "status": "completed",
-        "policy": module.policy.cfg.name,
-        "policy_params": policy_params(module.policy),
-        "plan": module.model.activation_plan.describe(),
-        "accum": config.accum,
-        "precision": config.precision,
-        "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
-        "tokens_per_step": config.tokens_per_step,
-        "seed": config.seed,
-        "model": {**asdict(module.model_config), "name": config.model.name, "params": module.model.num_parameters()},
-        "data": {
-            "source": config.data.source,
-            "tokenizer": config.data.tokenizer,
-            "train_tokens": data.train_tokens,
-            "val_tokens": data.val_tokens,
-        },
-        "device": str(module.device) if module.device.type == "cpu" else torch.cuda.get_device_name(module.device),
-        **measure.summary(),
-        "final_val_loss": val_loss,
-        "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
-    }
-    if trainer.is_global_zero:
-        write_json_atomic(run_dir / "summary.json", summary)
-        logger.log_hyperparams(hparams(config), metrics=hparam_metrics(summary))
-        logger.finalize("success")
-    return summary
+    def __init__(
+        self, config: Config, run_dir: Path, data: TextDataModule, module: GPTModule, extra: list[L.Callback]
+    ) -> None:
+        self.config, self.run_dir, self.data, self.module = config, run_dir, data, module
+        t = config.trainer
+        self.measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
+        self.guard = NumericGuard(t.on_nonfinite)
+        callbacks: list[L.Callback] = [self.measure, self.guard, *extra]
+        if t.enable_checkpointing:
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=run_dir / "checkpoints",
+                    filename="step{step:06d}",
+                    auto_insert_metric_name=False,
+                    every_n_train_steps=t.checkpoint_every_n_steps,
+                    monitor="step",  # "newest" is the order that keeps the latest periodic checkpoints
+                    mode="max",
+                    save_top_k=t.keep_checkpoints,
+                    save_last=True,
+                )
+            )
+        if config.measure.device_stats:
+            callbacks.append(DeviceStatsMonitor())
+        self.logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
+        self.trainer = L.Trainer(
+            max_steps=t.max_steps,
+            accumulate_grad_batches=config.accum,
+            precision=config.precision,
+            gradient_clip_val=t.grad_clip or None,
+            # Lightning counts validation intervals in micro-batches; the config speaks optimizer steps.
+            val_check_interval=t.val_every_n_steps * config.accum,
+            check_val_every_n_epoch=None,
+            limit_val_batches=t.val_batches,
+            num_sanity_val_steps=0,
+            log_every_n_steps=1,
+            accelerator=t.accelerator,
+            devices=t.devices,
+            strategy=t.strategy,
+            num_nodes=t.num_nodes,
+            logger=self.logger,
+            callbacks=callbacks,
+            enable_checkpointing=t.enable_checkpointing,
+            enable_progress_bar=t.enable_progress_bar,
+            enable_model_summary=False,
+            default_root_dir=str(run_dir),
+        )
+
+    def fit(self) -> dict[str, Any]:
+        config, module, data = self.config, self.module, self.data
+        log.info(
+            "policy=%s plan=%s | %s params | %d train / %d val tokens",
+            module.policy.cfg.name,
+            module.model.activation_plan.describe(),
+            f"{module.model.num_parameters():,}",
+            data.train_tokens,
+            data.val_tokens,
+        )
+        ckpt = str(checkpoint_file(config.ckpt_path, self.run_dir)) if config.ckpt_path else None
+        try:
+            with host_memory_limit(config.trainer.host_memory_limit_mib):
+                self.trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True if ckpt else None)
+                final = self.trainer.validate(module, datamodule=data, verbose=False)
+        except BaseException as e:
+            status = "oom" if is_out_of_memory(e) else "error"
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                status = "interrupted"
+            reason = one_line(e) if isinstance(e, NonFiniteError) else f"{type(e).__name__}: {one_line(e)}"
+            self._finish({**self.identity(), "status": status, "error": reason, **self.measure.summary()})
+            if status == "interrupted":
+                raise
+            raise RunFailed(status, f"{status} at step {self.trainer.global_step}: {reason}") from e
+        val_loss = final[0].get("val/loss") if final else None
+        return self._finish(
+            {
+                **self.identity(),
+                "status": "completed",
+                **self.measure.summary(),
+                "final_val_loss": val_loss,
+                "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
+                "skipped_steps": self.guard.skipped_steps,
+            }
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What this run is: the fields a report groups and sorts by."""
+        c, m = self.config, self.module
+        device = m.device
+        return {
+            "policy": m.policy.cfg.name,
+            "policy_params": policy_params(m.policy),
+            "plan": m.model.activation_plan.describe(),
+            "accum": c.accum,
+            "precision": c.precision,
+            "batch_size": c.batch_size,
+            "seq_len": c.seq_len,
+            "tokens_per_step": c.tokens_per_step,
+            "seed": c.seed,
+            "model": {**asdict(m.model_config), "name": c.model.name, "params": m.model.num_parameters()},
+            "data": {
+                "source": c.data.source,
+                "tokenizer": c.data.tokenizer,
+                "train_tokens": self.data.train_tokens,
+                "val_tokens": self.data.val_tokens,
+            },
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+            "world_size": self.trainer.world_size,
+            "resumed_from": c.ckpt_path,
+        }
+
+    def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """summary.json and the HParams entry, once (rank 0)."""
+        if self.trainer.is_global_zero:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            self.logger.log_hyperparams(hparams(self.config), metrics=hparam_metrics(summary))
+            self.logger.finalize("success" if summary["status"] == "completed" else "failed")
+        return summary
 
 
 def hparams(config: Config) -> dict[str, Any]:

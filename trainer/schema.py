@@ -66,7 +66,7 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     name: str = "default"
-    max_steps: int = 200  # optimizer steps (each = `accum` micro-batches)
+    max_steps: int = 150  # optimizer steps (each = `accum` micro-batches)
     val_every_n_steps: int = 50  # optimizer steps between validations
     val_batches: int = 8  # batches per validation
     grad_clip: float = 1.0  # clip the global grad norm; 0 disables
@@ -77,9 +77,26 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model (after the policy is applied)
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
+    checkpoint_every_n_steps: int = 50  # periodic checkpoints (plus last.ckpt) in <run>/checkpoints
+    keep_checkpoints: int = 2  # periodic checkpoints kept, newest first
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (keep the last good checkpoint) | skip the step
+    # CPU stand-in for a GPU's memory size: caps the process's data segment (RLIMIT_DATA) while training, so an
+    # allocation past it fails like a CUDA OOM. null: no cap.
+    host_memory_limit_mib: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "val_every_n_steps", "val_batches", "num_nodes"):
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}; choose stop or skip")
+        if self.host_memory_limit_mib is not None and self.host_memory_limit_mib < 1:
+            raise ValueError(f"trainer.host_memory_limit_mib={self.host_memory_limit_mib} must be ≥ 1 (or null)")
+        for key in (
+            "max_steps",
+            "val_every_n_steps",
+            "val_batches",
+            "num_nodes",
+            "checkpoint_every_n_steps",
+            "keep_checkpoints",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)} must be ≥ 1")
         if self.grad_clip < 0:
@@ -111,8 +128,10 @@ class Config:
     accum: int = 1  # micro-batches per optimizer step (Lightning's accumulate_grad_batches)
     precision: str = "bf16-mixed"
     seed: int = 1337
-    batch_size: int = 8  # micro-batch size, in sequences
+    batch_size: int = 4  # micro-batch size, in sequences
     seq_len: int = 256  # tokens per sequence; ≤ model.block_size
+    # Resume: "last" (this run folder's checkpoints/last.ckpt; pass hydra.run.dir=<the run folder>) or a .ckpt path.
+    ckpt_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.accum < 1:
