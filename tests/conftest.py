@@ -15,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("CKPTLAB_CACHE", tempfile.mkdtemp(prefix="ckptlab-test-cache-"))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -35,6 +36,7 @@ SMALL = [
 ]
 
 register_configs()
+torch.set_num_threads(1)  # see run_cli
 
 
 @pytest.fixture
@@ -54,5 +56,6 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Co
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        # One thread: tiny shapes gain nothing from a second, and on 2 shared cores its spin-waits cost 10x.
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
     )

@@ -776,6 +776,9 @@ class TextDataModule(L.LightningDataModule):
             "num_workers": workers,
             "persistent_workers": workers > 0,
             "pin_memory": torch.cuda.is_available(),
+            # Each new iterator draws a base seed; from its own generator, not the global RNG, so an iterator
+            # made on resume (or for a validation) never shifts the dropout masks of the steps that follow.
+            "generator": torch.Generator().manual_seed(self.seed),
         }
 
     def _train_position(self) -> tuple[int, int]:

@@ -63,13 +63,28 @@ class Plan:
         raise IndexError(block)
 
     def describe(self) -> str:
-        parts = []
+        """What runs how, block by block: e.g. "[0]:full [1]:selective [2]:none [3]:op_sac" or "[0-1]:full-group".
+
+        Consecutive blocks with the same treatment are merged ("[0-3]:full" = four per-block checkpoints); a
+        segment that checkpoints several blocks as ONE region is shown as a group ("[0-1]:full-group"), and
+        adjacent groups stay separate. Labels are per block, so a store segment that mixes plain and selective
+        blocks is never labelled as a whole by one of them.
+        """
+        runs: list[list[Any]] = []  # [start, stop, label, mergeable]
         for s in self.segments:
-            blocks = f"{s.start}" if s.stop - s.start == 1 else f"{s.start}-{s.stop - 1}"
-            sel = [b for b in range(s.start, s.stop) if b in self.selective_blocks]
-            mode = "selective" if s.mode == "store" and sel else s.mode
-            parts.append(f"[{blocks}]:{mode}")
-        return " ".join(parts)
+            if s.mode in ("checkpoint", "op_sac") and s.stop - s.start > 1:
+                runs.append([s.start, s.stop, f"{self.treatment_of(s.start)}-group", False])
+                continue
+            for b in range(s.start, s.stop):
+                label = self.treatment_of(b)
+                if runs and runs[-1][3] and runs[-1][2] == label and runs[-1][1] == b:
+                    runs[-1][1] = b + 1
+                else:
+                    runs.append([b, b + 1, label, True])
+        return " ".join(
+            f"[{start}]:{label}" if stop - start == 1 else f"[{start}-{stop - 1}]:{label}"
+            for start, stop, label, _ in runs
+        )
 
 
 _said: set[str] = set()
@@ -160,7 +175,8 @@ class SelectiveRecompute(Policy):
         if attention == "sdpa":
             say_once(
                 "policy=selective with model.attention=sdpa: the fused kernel already recomputes its scores in "
-                "backward, so attention is stored as under `none` (no second recompute); "
+                "backward, so attention is stored as under `none` (no second recompute); note that on CPU with "
+                "dropout > 0 SDPA falls back to its math path, which does keep the T×T probabilities; "
                 "use model.attention=eager for Megatron-style selective recompute"
             )
 
@@ -240,13 +256,19 @@ class OpSacConfig(PolicyConfig):
     save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAC_SAVE_OPS))
 
 
-def resolve_ops(names: Iterable[str]) -> frozenset[Any]:
+def resolve_ops(names: Iterable[str], policy: str = "op_sac") -> frozenset[Any]:
+    """Op names ('aten.mm', 'aten.mm.default') to op packets; every overload of a named packet matches."""
     ops = set()
     for name in names:
-        ns, _, op = name.partition(".")
-        packet = getattr(getattr(torch.ops, ns, None), op.split(".")[0], None) if op else None
+        ns, _, op = str(name).partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op.split(".")[0]) if ns and op else None
+        except (AttributeError, RuntimeError):
+            packet = None
         if packet is None:
-            raise PolicyError(f"policy.save_ops: unknown op {name!r}; write it as 'aten.mm' (namespace.op)")
+            raise PolicyError(
+                f"policy {policy}: policy.save_ops: unknown op {name!r}; write it as 'aten.mm' (namespace.op)"
+            )
         ops.add(packet)
     return frozenset(ops)
 
@@ -356,7 +378,7 @@ class PerBlock(_SacMixin, _OffloadMixin, Policy):
             )
         used = set(self.treatments(n_layer))
         if "op_sac" in used:
-            resolve_ops(self.cfg.save_ops)
+            resolve_ops(self.cfg.save_ops, self.name)
         if "selective" in used:
             SelectiveRecompute.check(self, n_layer, attention)  # type: ignore[arg-type]
         if "offload" in used:
@@ -401,14 +423,14 @@ class ActivationOffloader:
     def run(self, segment: int, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or x.device.type != "cuda":
             return fn(x)
-        self._stash[segment] = []
+        self._stash[segment] = []  # entries of an earlier forward left here are fetched one by one in _unpack
         with torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, segment), functools.partial(self._unpack, segment)
         ):
             return fn(x)
 
     def _pack(self, segment: int, t: torch.Tensor) -> Any:
-        if t.device.type != "cuda" or t.nbytes < self.min_bytes or isinstance(t, nn.Parameter):
+        if t.device.type != "cuda" or t.nbytes < self.min_bytes or _is_parameter(t):
             return t
         d2h, _ = self._side_streams()
         d2h.wait_stream(torch.cuda.current_stream(t.device))
@@ -429,6 +451,10 @@ class ActivationOffloader:
             return packed
         if packed.on_device is None:
             self._bring_back(segment)
+        if packed.on_device is None:
+            # Not in the stash: a second forward of this segment (e.g. two micro-batches before one backward)
+            # replaced the stash entry. Bring this tensor back on its own rather than fail.
+            self._fetch([packed])
         if self.prefetch and segment - 1 in self._stash:
             self._bring_back(segment - 1)
         compute = torch.cuda.current_stream(packed.device)
@@ -439,7 +465,9 @@ class ActivationOffloader:
         return t
 
     def _bring_back(self, segment: int) -> None:
-        entries = self._stash.pop(segment, [])
+        self._fetch(self._stash.pop(segment, []))
+
+    def _fetch(self, entries: list[_Offloaded]) -> None:
         _, h2d = self._side_streams()
         for e in entries:
             if e.on_device is not None:
@@ -449,6 +477,11 @@ class ActivationOffloader:
                 e.on_device = e.host.to(e.device, non_blocking=True)
                 e.arrived = torch.cuda.Event()
                 e.arrived.record(h2d)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (Linear saves `weight.t()`): its bytes stay on the device anyway."""
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
 @dataclass

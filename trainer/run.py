@@ -37,7 +37,7 @@ from trainer.data import DataError, TextDataModule
 from trainer.memory import MIB
 from trainer.module import GPTModule
 from trainer.policies import PolicyError, build_policy, policy_params
-from trainer.schema import Config, ConfigError, validate
+from trainer.schema import Config, ConfigError, TrainerConfig, validate
 
 log = logging.getLogger(__name__)
 # Lightning gives its logger a console handler of its own; under Hydra the root logger already prints and
@@ -131,6 +131,28 @@ def _data_segment_bytes() -> int:
     return 0
 
 
+def lightning_strategy(t: TrainerConfig) -> Any:
+    """Config names → Lightning strategies; the two FSDP flavours need objects, not strings."""
+    name = t.strategy
+    if name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if not isinstance(t.devices, int) or t.devices < 1:
+            raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
+        # Pure data parallel: every process holds a shard (its "auto" sizes assume tensor parallelism).
+        return ModelParallelStrategy(
+            data_parallel_size=t.devices * t.num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from models.gpt import Block
+
+        # No activation_checkpointing_policy here: the project's policy already runs inside each Block.
+        return FSDPStrategy(auto_wrap_policy={Block})
+    return name
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -222,7 +244,7 @@ class Run:
             log_every_n_steps=1,
             accelerator=t.accelerator,
             devices=t.devices,
-            strategy=t.strategy,
+            strategy=lightning_strategy(t),
             num_nodes=t.num_nodes,
             logger=self.logger,
             callbacks=callbacks,
@@ -247,6 +269,8 @@ class Run:
             with host_memory_limit(config.trainer.host_memory_limit_mib):
                 self.trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True if ckpt else None)
                 final = self.trainer.validate(module, datamodule=data, verbose=False)
+        except USER_ERRORS:
+            raise
         except BaseException as e:
             status = "oom" if is_out_of_memory(e) else "error"
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -257,6 +281,7 @@ class Run:
                 raise
             raise RunFailed(status, f"{status} at step {self.trainer.global_step}: {reason}") from e
         val_loss = final[0].get("val/loss") if final else None
+        ranks = self.per_rank()
         return self._finish(
             {
                 **self.identity(),
@@ -265,6 +290,7 @@ class Run:
                 "final_val_loss": val_loss,
                 "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
                 "skipped_steps": self.guard.skipped_steps,
+                **({"per_rank": ranks} if ranks else {}),
             }
         )
 
@@ -293,6 +319,23 @@ class Run:
             "world_size": self.trainer.world_size,
             "resumed_from": c.ckpt_path,
         }
+
+    def per_rank(self) -> list[dict[str, float]]:
+        """Each rank's activation peak and a checksum of its parameters (data parallel keeps them equal)."""
+        trainer = self.trainer
+        if trainer.world_size == 1:
+            return []
+        act = self.measure.summary()["activation_peak_mib"] or 0.0
+        with torch.no_grad():
+            # Full tensors under FSDP2 (DTensor shards are gathered), plain ones under DDP.
+            params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.module.parameters()]
+            checksum = sum(float(p.double().sum()) for p in params)
+        local = torch.tensor([act, checksum], dtype=torch.float64, device=self.module.device)
+        gathered = trainer.strategy.all_gather(local).cpu()  # (world, 2)
+        return [
+            {"rank": r, "activation_peak_mib": float(a), "param_checksum": float(c)}
+            for r, (a, c) in enumerate(gathered.tolist())
+        ]
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """summary.json and the HParams entry, once (rank 0)."""

@@ -193,4 +193,6 @@ def describe_user_error(e: BaseException) -> str | None:
         return f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
     if type(e).__name__ in ("ConfigError", "PolicyError", "DataError"):
         return str(e).splitlines()[0]
+    if isinstance(e, OSError) and e.filename:  # e.g. Hydra creating a run folder where it cannot
+        return f"cannot write {e.filename}: {e.strerror}; pass hydra.run.dir=<a writable folder>"
     return None
