@@ -7,6 +7,8 @@ Logged to TensorBoard at each optimizer step (`global_step`):
   throughput/tokens_per_s        tokens of the step / step time
   memory/activation_peak_mib     on tracked steps: peak live-tensor bytes of one micro-batch's forward+backward
                                  above what was live when it began, gradient buffers excluded (any device)
+  memory/peak_total_mib          the step's whole peak — weights, gradients, optimizer state, activations,
+                                 transients: the allocator's peak on CUDA, the tracker's on tracked CPU steps
   memory/peak_allocated_mib, memory/peak_reserved_mib, memory/alloc_retries   (CUDA; peaks reset every step)
 
 Why not Lightning's ThroughputMonitor: it times single batches, not optimizer steps made of `accum` micro-batches,
@@ -26,6 +28,16 @@ import torch
 from trainer.memory import MIB, LiveTensorTracker, cuda_memory_counters, reset_cuda_peaks
 
 
+def training_state(pl_module: L.LightningModule, trainer: L.Trainer) -> list[torch.Tensor]:
+    """Every tensor a training step holds before it starts: parameters, buffers, gradients, optimizer state."""
+    tensors: list[torch.Tensor] = [*pl_module.parameters(), *pl_module.buffers()]
+    tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
+    for opt in trainer.optimizers:
+        for state in opt.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
 class MeasureCallback(L.Callback):
     def __init__(self, warmup_steps: int = 3, activation_every_n_steps: int = 25) -> None:
         self.warmup_steps = warmup_steps
@@ -37,6 +49,7 @@ class MeasureCallback(L.Callback):
         self._tokens = 0
         self._tracker: LiveTensorTracker | None = None
         self._activation_bytes: int | None = None
+        self._total_bytes: int | None = None
         self._on_cuda = False
 
     # --- which steps are tracked --------------------------------------------------------------------------------
@@ -57,19 +70,27 @@ class MeasureCallback(L.Callback):
             reset_cuda_peaks(pl_module.device)
             self._step_start = time.perf_counter()
             self._step_at_start = trainer.global_step
-            self._micro_losses, self._tokens, self._activation_bytes = [], 0, None
+            self._micro_losses, self._tokens = [], 0
+            self._activation_bytes = self._total_bytes = None
             if self._tracks(trainer.global_step):
                 self._tracker = LiveTensorTracker(device=pl_module.device.type)
                 self._tracker.__enter__()
+                # What the step holds before it starts (weights, optimizer state, last step's gradients until
+                # zero_grad frees them), so the tracker's peak is the whole step's, not only what it adds.
+                self._tracker.adopt(training_state(pl_module, trainer))
         self._tokens += batch[0].numel()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self._stop_tracker(pl_module)  # before clipping and the update: only forward+backward is measured
+        self._close_activation_window(pl_module)  # before clipping and the update
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._stop_tracker(pl_module)
+        # The activation figure is the first micro-batch's forward+backward; the tracker keeps running through the
+        # step's other micro-batches and the update, for the whole step's total.
+        self._close_activation_window(pl_module)
+        if trainer.global_step != self._step_at_start:
+            self._stop_tracker()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         # Lightning divides the loss by accumulate_grad_batches before returning it; undo that.
         self._micro_losses.append(float(loss) * trainer.accumulate_grad_batches)
@@ -92,6 +113,11 @@ class MeasureCallback(L.Callback):
         for key in ("peak_allocated_mib", "peak_reserved_mib", "alloc_retries"):
             if key in cuda:
                 record[f"memory/{key}"] = cuda[key]
+        # The whole step's peak: the allocator's on CUDA (every step), the tracker's elsewhere (tracked steps).
+        if "peak_allocated_mib" in cuda:
+            record["memory/peak_total_mib"] = cuda["peak_allocated_mib"]
+        elif self._total_bytes is not None:
+            record["memory/peak_total_mib"] = self._total_bytes / MIB
         # Straight to the loggers at the optimizer step: Lightning's self.log would also fire per micro-batch.
         for logger in trainer.loggers:
             logger.log_metrics(record, step=step)
@@ -100,13 +126,17 @@ class MeasureCallback(L.Callback):
         self.records.append(record)
 
     # --- helpers ------------------------------------------------------------------------------------------------
-    def _stop_tracker(self, pl_module: L.LightningModule) -> None:
+    def _close_activation_window(self, pl_module: L.LightningModule) -> None:
+        if self._tracker is not None and self._activation_bytes is None:
+            grads = [p.grad for p in pl_module.parameters()]
+            self._activation_bytes = self._tracker.peak_bytes_excluding(grads, until=self._tracker.mark())
+
+    def _stop_tracker(self) -> None:
         if self._tracker is None:
             return
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(None, None, None)
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        self._activation_bytes = tracker.peak_bytes_excluding(grads)
+        self._total_bytes = tracker.peak_bytes
 
     def _sync(self) -> None:
         if self._on_cuda:
@@ -133,5 +163,8 @@ class MeasureCallback(L.Callback):
                 (r["memory/peak_reserved_mib"] for r in steady if "memory/peak_reserved_mib" in r), default=None
             ),
             "activation_peak_mib": max(activation) if activation else None,
+            "peak_total_mib": max(
+                (r["memory/peak_total_mib"] for r in steady if "memory/peak_total_mib" in r), default=None
+            ),
             "final_train_loss": self.records[-1]["train/loss"] if self.records else None,
         }

@@ -309,3 +309,19 @@ def test_cuda_counters_and_tracker_on_cuda() -> None:
     measured = torch.cuda.max_memory_allocated() - base
     # The allocator rounds each of the few live tensors up to a 512-byte block.
     assert t.peak_bytes <= measured <= t.peak_bytes + 16 * 512
+
+
+def test_adopted_storages_count_until_freed_and_marks_bound_the_replay() -> None:
+    weights = torch.zeros(1024)  # 4 KiB that exist before the window, e.g. last step's gradients
+    with LiveTensorTracker() as t:
+        assert t.adopt([weights, weights.view(32, 32), None]) == 4096  # a view is the same storage
+        act = torch.zeros(2048)  # 8 KiB made by the step
+        del weights  # freed inside the window: it leaves live_bytes
+        assert t.live_bytes == 8192
+        end_of_backward = t.mark()
+        later = torch.zeros(4096)  # 16 KiB after the mark, e.g. the optimizer's temporaries
+        del later
+    assert t.peak_bytes == max(4096 + 8192, 8192 + 16384)
+    assert t.peak_bytes_excluding([]) == 8192 + 16384  # adopted storages are never activations
+    assert t.peak_bytes_excluding([], until=end_of_backward) == 8192
+    del act

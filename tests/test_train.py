@@ -13,11 +13,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.conftest import SMALL, run_cli
 from trainer.run import train
 
-STEP_TAGS = {"train/loss", "train/lr", "time/step_ms", "throughput/tokens_per_s", "memory/activation_peak_mib"}
+STEP_TAGS = {
+    "train/loss", "train/lr", "train/grad_norm", "time/step_ms", "throughput/tokens_per_s",
+    "memory/activation_peak_mib", "memory/peak_total_mib",
+}  # fmt: skip
 CUDA_TAGS = {"memory/peak_allocated_mib", "memory/peak_reserved_mib", "memory/alloc_retries"}
 SUMMARY_KEYS = {
     "status", "policy", "accum", "precision", "model", "batch_size", "seq_len", "median_step_ms", "tokens_per_s",
-    "peak_allocated_mib", "activation_peak_mib", "final_train_loss", "final_val_loss",
+    "peak_allocated_mib", "activation_peak_mib", "peak_total_mib", "final_train_loss", "final_val_loss",
 }  # fmt: skip
 
 
@@ -92,9 +95,19 @@ def test_summary_json_is_complete(fitted: tuple[Path, dict]) -> None:
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(on_disk)
     assert on_disk["status"] == "completed" and on_disk["policy"] == "selective"
-    for key in ("median_step_ms", "tokens_per_s", "activation_peak_mib", "final_train_loss", "final_val_loss"):
+    for key in (
+        "median_step_ms",
+        "tokens_per_s",
+        "activation_peak_mib",
+        "peak_total_mib",
+        "final_train_loss",
+        "final_val_loss",
+    ):
         assert isinstance(on_disk[key], float) and on_disk[key] > 0, key
     assert on_disk["peak_allocated_mib"] is None  # CPU
+    # The whole step's peak holds at least the weights, their gradients and AdamW's two moments (fp32).
+    params_mib = on_disk["model"]["params"] * 4 / 2**20
+    assert on_disk["peak_total_mib"] > 4 * params_mib + on_disk["activation_peak_mib"] * 0.5
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 

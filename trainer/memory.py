@@ -55,6 +55,7 @@ class _Window:
         self.next_record = 0
         # (record id, signed byte delta) in the order things happened; replayed by peak_bytes_excluding.
         self.events: list[tuple[int, int]] = []
+        self.adopted: set[int] = set()  # records of storages that predate the window (see adopt())
         self.live_bytes = 0
         self.peak_bytes = 0
         # The autograd engine may run backward on its own thread (CUDA) and storages may die there.
@@ -192,23 +193,61 @@ class LiveTensorTracker(TorchDispatchMode):
     def peak_bytes(self) -> int:
         return self._window.peak_bytes
 
-    def peak_bytes_excluding(self, tensors: Iterable[torch.Tensor | None]) -> int:
-        """Peak live bytes had the storages of ``tensors`` never been allocated.
+    def adopt(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        """Count storages that already exist (parameters, optimizer state, last step's gradients) from now on.
+
+        Their bytes join `live_bytes` and leave it when they are freed inside the window (e.g. gradients set
+        to None by zero_grad), so `peak_bytes` becomes the step's whole peak, not only what it added.
+        `peak_bytes_excluding` leaves adopted storages out. Call while active. Returns the bytes adopted.
+        """
+        if not self._active:
+            raise RuntimeError("adopt() needs an active tracker")
+        window = self._window
+        adopted = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if self.device_type is not None and storage.device.type != self.device_type:
+                continue
+            cdata = storage._cdata
+            with window.lock:
+                if cdata in window.live:
+                    continue
+                record = window.next_record
+                window.next_record += 1
+                ref = weakref.ref(
+                    storage, lambda _r, w=window.weak_self, c=cdata, rec=record: _on_storage_freed(w, c, rec)
+                )
+                window.live[cdata] = (record, storage.nbytes(), ref)
+                window.adopted.add(record)
+                window.add(storage.nbytes(), record)
+                adopted += storage.nbytes()
+        return adopted
+
+    def mark(self) -> int:
+        """A point in the window (e.g. the end of backward) to bound `peak_bytes_excluding(..., until=mark)`."""
+        with self._window.lock:
+            return len(self._window.events)
+
+    def peak_bytes_excluding(self, tensors: Iterable[torch.Tensor | None], until: int | None = None) -> int:
+        """Peak live bytes had the storages of ``tensors`` — and every adopted storage — never been allocated.
 
         Only storages created in the window and still alive can be matched, e.g. the parameters' .grad
         tensors a backward creates: "activation peak" = peak excluding gradient buffers. ``None`` entries
-        are skipped so ``[p.grad for p in model.parameters()]`` works with frozen parameters.
+        are skipped so ``[p.grad for p in model.parameters()]`` works with frozen parameters. ``until`` (from
+        `mark()`) ends the replay there, e.g. before the optimizer step.
         """
         window = self._window
         with window.lock:
-            excluded = set()
+            excluded = set(window.adopted)
             for t in tensors:
                 if t is None:
                     continue
                 entry = window.live.get(t.untyped_storage()._cdata)
                 if entry is not None:
                     excluded.add(entry[0])
-            events = list(window.events)
+            events = list(window.events[:until])
         live = peak = 0
         for record, delta in events:
             if record in excluded:
