@@ -32,11 +32,13 @@ from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
+from callbacks.tb_layout import write_tb_layout
 from models.gpt import GPTConfig
 from trainer.data import DataError, TextDataModule
 from trainer.memory import MIB
 from trainer.module import GPTModule
 from trainer.policies import PolicyError, build_policy, policy_params
+from trainer.progress import sweep_progress
 from trainer.schema import Config, ConfigError, TrainerConfig, validate
 
 log = logging.getLogger(__name__)
@@ -215,6 +217,7 @@ class Run:
         self.measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
         self.guard = NumericGuard(t.on_nonfinite)
         callbacks: list[L.Callback] = [self.measure, self.guard, *extra]
+        callbacks += sweep_progress()  # "job i/n step s/max" in a Hydra multirun; [] otherwise
         if t.enable_checkpointing:
             callbacks.append(
                 ModelCheckpoint(
@@ -231,6 +234,7 @@ class Run:
         if config.measure.device_stats:
             callbacks.append(DeviceStatsMonitor())
         self.logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
+        write_tb_layout(self.logger.experiment)  # Custom Scalars: memory and time charts grouped
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=config.accum,
@@ -341,14 +345,15 @@ class Run:
         """summary.json and the HParams entry, once (rank 0)."""
         if self.trainer.is_global_zero:
             write_json_atomic(self.run_dir / "summary.json", summary)
-            self.logger.log_hyperparams(hparams(self.config), metrics=hparam_metrics(summary))
+            self.logger.log_hyperparams(hparams(self.config, summary["status"]), metrics=hparam_metrics(summary))
             self.logger.finalize("success" if summary["status"] == "completed" else "failed")
         return summary
 
 
-def hparams(config: Config) -> dict[str, Any]:
-    """What a sweep varies, flat, for TensorBoard's HParams tab."""
+def hparams(config: Config, status: str) -> dict[str, Any]:
+    """What a sweep varies, flat, for TensorBoard's HParams tab (status too: failed jobs stay in the table)."""
     return {
+        "status": status,
         "policy": config.policy["name"] if isinstance(config.policy, dict) else config.policy.name,
         "accum": config.accum,
         "batch_size": config.batch_size,
@@ -364,12 +369,16 @@ def hparams(config: Config) -> dict[str, Any]:
 
 
 def hparam_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """Every key on every job, NaN where a figure was not measured: TensorBoard takes the HParams columns from the
+    first job it reads, and Lightning writes no HParams entry at all for a job with no metrics (an early OOM)."""
     keys = (
         "median_step_ms",
         "tokens_per_s",
         "activation_peak_mib",
+        "peak_total_mib",
         "peak_allocated_mib",
         "final_train_loss",
         "final_val_loss",
+        "steps",
     )
-    return {f"hparams/{k}": float(summary[k]) for k in keys if summary.get(k) is not None}
+    return {f"hparams/{k}": float(summary[k]) if summary.get(k) is not None else math.nan for k in keys}

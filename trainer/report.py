@@ -1,0 +1,717 @@
+"""Read a sweep (or one run) and write what a team reads: a table, a Pareto plot, loss curves.
+
+    python -m trainer.report runs/sweeps/<stamp> [--budget MiB] [--metric auto|peak_allocated_mib|...]
+
+Every job folder (one with a summary.json or a .hydra/ folder) becomes one row, whatever became of it:
+`completed`, `oom` and `error` come from its summary.json (with whatever figures it reached), `missing` is a
+job that left no summary.json (killed). Figures a summary lacks are taken from the job's TensorBoard events
+where it logged them. Written into the folder:
+
+  report.md         the table (markdown), failures with their one-line reason, the two plots
+  report.csv        the same rows, raw numbers
+  pareto.png        memory vs throughput, one point per job, the Pareto front, OOM jobs marked
+  loss_curves.png   train/loss per job, val/loss dashed
+
+The memory figure for the plot and the budget is CUDA's peak allocated when the jobs ran on a GPU, otherwise the
+whole-step peak when every completed job recorded one (`peak_total_mib`: weights, gradients, optimizer state and
+activations, from the live-tensor tracker on CPU), otherwise the activation peak (live tensors of one micro-batch's
+forward and backward); the report says which, and `--metric` picks one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+POLICY_ORDER = (
+    "none",
+    "selective",
+    "op_sac",
+    "first_k",
+    "every_k",
+    "sqrt",
+    "full",
+    "offload",
+    "per_block",
+    "auto",
+)
+STATUS_ORDER = ("completed", "oom", "error", "interrupted", "missing")
+
+METRICS = {
+    "peak_allocated_mib": "CUDA peak allocated",
+    "peak_total_mib": "whole-step peak",
+    "activation_peak_mib": "activation peak",
+}
+METRIC_NOTES = {
+    "peak_allocated_mib": "torch.cuda.max_memory_allocated over a step, after warm-up (GPU)",
+    "peak_total_mib": "every live tensor at the step's peak — weights, gradients, optimizer state, activations; "
+    "the allocator's peak on CUDA, the live-tensor tracker's on tracked CPU steps",
+    "activation_peak_mib": "live tensors of one micro-batch's forward+backward above what was live before it, "
+    "gradients excluded (measured on any device; on CPU the only per-policy memory figure)",
+}
+FIGURES = (
+    "steps",
+    "activation_peak_mib",
+    "peak_allocated_mib",
+    "peak_total_mib",
+    "median_step_ms",
+    "tokens_per_s",
+    "final_train_loss",
+    "final_val_loss",
+)
+# summary key -> TensorBoard tag and how a job's steps reduce to one figure, for jobs whose summary lacks it
+FROM_EVENTS = {
+    "activation_peak_mib": ("memory/activation_peak_mib", "max"),
+    "peak_allocated_mib": ("memory/peak_allocated_mib", "max"),
+    "median_step_ms": ("time/step_ms", "median"),
+    "tokens_per_s": ("throughput/tokens_per_s", "median"),
+    "final_train_loss": ("train/loss", "last"),
+    "final_val_loss": ("val/loss", "last"),
+    "steps": ("train/loss", "count"),
+}
+
+
+@dataclass(eq=False)  # a job is itself: compared by identity
+class Job:
+    path: Path
+    name: str  # folder, relative to the report's folder ("." for a single run)
+    num: int | None = None
+    status: str = "missing"
+    policy: str | None = None
+    batch_size: int | None = None
+    accum: int | None = None
+    precision: str | None = None
+    seq_len: int | None = None
+    model: str | None = None
+    device: str | None = None
+    overrides: str = ""
+    error: str | None = None
+    figures: dict[str, float | None] = field(default_factory=dict)
+    from_events: list[str] = field(default_factory=list)  # figures filled from the events, not the summary
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # "train/loss", "val/loss"
+    baseline: Job | None = None
+    baseline_exact: bool = False
+    mem_ratio: float | None = None
+    time_ratio: float | None = None
+    step_ms_spread: float | None = None  # IQR / median of the timed steps, from the events
+
+    def get(self, key: str) -> float | None:
+        return self.figures.get(key)
+
+    @property
+    def label(self) -> str:
+        split = f" {self.batch_size}×{self.accum}" if self.batch_size is not None and self.accum is not None else ""
+        return f"{self.policy or '?'}{split}"
+
+    @property
+    def ident(self) -> str:
+        return str(self.num) if self.num is not None else self.name
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+def is_job_dir(path: Path) -> bool:
+    return (path / "summary.json").is_file() or (path / ".hydra" / "config.yaml").is_file()
+
+
+def find_jobs(root: Path) -> list[Path]:
+    """The job folders under `root`: `root` itself for a single run, else every folder holding a job."""
+    if is_job_dir(root):
+        return [root]
+    found: list[Path] = []
+
+    def walk(d: Path) -> None:
+        for child in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if is_job_dir(child):
+                found.append(child)
+            elif child.name not in ("tb", "checkpoints"):
+                walk(child)  # override_dirname with a "/" in a value nests folders
+
+    walk(root)
+    return found
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def read_job(path: Path, root: Path) -> Job:
+    name = path.name if path == root else path.relative_to(root).as_posix()
+    job = Job(path=path, name=name)
+    cfg = _load_yaml(path / ".hydra" / "config.yaml") or {}
+    hydra = (_load_yaml(path / ".hydra" / "hydra.yaml") or {}).get("hydra", {}) or {}
+    overrides = _load_yaml(path / ".hydra" / "overrides.yaml")
+    job.overrides = ",".join(str(o) for o in overrides) if isinstance(overrides, list) else ""
+    num = (hydra.get("job") or {}).get("num")
+    if isinstance(num, int):
+        job.num = num
+    elif m := re.match(r"(\d+)_", path.name):
+        job.num = int(m.group(1))
+
+    summary: dict[str, Any] = {}
+    summary_path = path / "summary.json"
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+            job.status = str(summary.get("status") or "completed")
+        except (OSError, ValueError) as e:
+            job.status, job.error = "missing", f"summary.json unreadable: {e}"
+    else:
+        job.error = "no summary.json: the job was killed or is still running"
+    if summary.get("error"):
+        job.error = str(summary["error"]).strip().splitlines()[0] if str(summary["error"]).strip() else None
+
+    policy_cfg = cfg.get("policy")
+    job.policy = summary.get("policy") or (policy_cfg.get("name") if isinstance(policy_cfg, dict) else policy_cfg)
+    for key in ("batch_size", "accum", "seq_len"):
+        value = summary.get(key, cfg.get(key))
+        setattr(job, key, int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None)
+    job.precision = summary.get("precision") or cfg.get("precision")
+    model = summary.get("model") if isinstance(summary.get("model"), dict) else cfg.get("model")
+    job.model = (model or {}).get("name") if isinstance(model, dict) else None
+    job.device = summary.get("device")
+    job.figures = {k: _num(summary.get(k)) for k in FIGURES}
+
+    scalars = read_scalars(path / "tb")
+    job.curves = {tag: scalars[tag] for tag in ("train/loss", "val/loss") if tag in scalars}
+    for key, (tag, how) in FROM_EVENTS.items():
+        if job.figures.get(key) is None and scalars.get(tag):
+            values = [v for _, v in scalars[tag]]
+            if how == "max":
+                job.figures[key] = max(values)
+            elif how == "median":
+                job.figures[key] = statistics.median(values[1:] or values)  # leave the first (warm-up) step out
+            elif how == "last":
+                job.figures[key] = values[-1]
+            else:
+                job.figures[key] = float(len(values))
+            job.from_events.append(key)
+    warmup = (cfg.get("measure") or {}).get("warmup_steps", 3) if isinstance(cfg.get("measure"), dict) else 3
+    job.step_ms_spread = step_time_spread(scalars, int(warmup) if isinstance(warmup, int) else 3)
+    return job
+
+
+def step_time_spread(scalars: dict[str, list[tuple[int, float]]], warmup: int) -> float | None:
+    """Interquartile range of the timed steps' wall time over their median (the steps summary.json's median is
+    taken over: after warm-up, tracked steps left out); None with fewer than 4 such steps."""
+    tracked = {s for s, _ in scalars.get("memory/activation_peak_mib", [])}
+    times = [v for s, v in scalars.get("time/step_ms", []) if s > warmup and s not in tracked]
+    if len(times) < 4:
+        return None
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / median if median > 0 else None
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a run's TensorBoard events, as (step, value) lists; {} when there are none."""
+    if not tb_dir.is_dir():
+        return {}
+    files = sorted(tb_dir.rglob("events.out.tfevents.*"))
+    if not files:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for run_dir in sorted({f.parent for f in files}):
+        try:
+            acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in acc.Tags().get("scalars", []):
+                out.setdefault(tag, []).extend((e.step, float(e.value)) for e in acc.Scalars(tag))
+        except Exception:  # a truncated events file of a killed job: keep what was read
+            continue
+    return {tag: sorted(points) for tag, points in out.items()}
+
+
+def read_jobs(root: Path) -> list[Job]:
+    return sort_jobs([read_job(p, root) for p in find_jobs(root)])
+
+
+# --- arranging -----------------------------------------------------------------------------------------------------
+def _rank(seq: tuple[str, ...], value: str | None) -> tuple[int, str]:
+    return (seq.index(value), "") if value in seq else (len(seq), str(value))
+
+
+def sort_key(job: Job) -> tuple[Any, ...]:
+    return (
+        _rank(STATUS_ORDER, job.status),
+        _rank(POLICY_ORDER, job.policy),
+        -(job.batch_size or 0),  # the largest micro-batch (fewest accumulation steps) first
+        job.accum or 0,
+        job.precision or "",
+        job.num if job.num is not None else 1 << 30,
+        job.name,
+    )
+
+
+def sort_jobs(jobs: list[Job]) -> list[Job]:
+    return sorted(jobs, key=sort_key)
+
+
+def choose_metric(jobs: list[Job], metric: str = "auto") -> str:
+    """The memory figure for the plot and the budget (see the module doc)."""
+    if metric != "auto":
+        if metric not in METRICS:
+            raise ValueError(f"--metric {metric!r}; choose one of: auto, {', '.join(METRICS)}")
+        return metric
+    done = [j for j in jobs if j.status == "completed"] or jobs
+    if any(j.get("peak_allocated_mib") is not None for j in done):
+        return "peak_allocated_mib"
+    if done and all(j.get("peak_total_mib") is not None for j in done):
+        return "peak_total_mib"
+    return "activation_peak_mib"
+
+
+def attach_baselines(jobs: list[Job], metric: str) -> None:
+    """Ratios vs the `none` job of the same micro-batch, accum and precision, else vs the first `none` job."""
+    nones = [j for j in jobs if j.policy == "none" and j.status == "completed"]
+    for job in jobs:
+        same = [n for n in nones if (n.batch_size, n.accum, n.precision) == (job.batch_size, job.accum, job.precision)]
+        base = same[0] if same else (nones[0] if nones else None)
+        job.baseline, job.baseline_exact = base, bool(same)
+        if base is None:
+            continue
+        job.mem_ratio = _ratio(job.get(metric), base.get(metric))
+        job.time_ratio = _ratio(job.get("median_step_ms"), base.get("median_step_ms"))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def best_within(jobs: list[Job], budget_mib: float, metric: str) -> Job | None:
+    """The fastest completed job whose memory figure fits the budget."""
+    fits = [
+        j
+        for j in jobs
+        if j.status == "completed"
+        and j.get(metric) is not None
+        and j.get(metric) <= budget_mib  # type: ignore[operator]
+        and j.get("tokens_per_s") is not None
+    ]
+    return max(fits, key=lambda j: j.get("tokens_per_s") or 0.0, default=None)
+
+
+def budget_line(jobs: list[Job], budget_mib: float, metric: str) -> str:
+    what = f"{METRICS[metric]} (`{metric}`)"
+    best = best_within(jobs, budget_mib, metric)
+    if best is not None:
+        return (
+            f"Best within {budget_mib:g} MiB of {what}: **{best.policy}** at micro-batch {best.batch_size} × accum "
+            f"{best.accum} ({best.precision}) — {_fmt(best.get('tokens_per_s'), 0)} tokens/s, "
+            f"{_fmt(best.get(metric), 2)} MiB (job {best.ident})"
+        )
+    measured = [j for j in jobs if j.status == "completed" and j.get(metric) is not None]
+    if not measured:
+        return f"No completed job has a {what} figure to hold against {budget_mib:g} MiB."
+    low = min(measured, key=lambda j: j.get(metric) or 0.0)
+    return (
+        f"No completed job fits {budget_mib:g} MiB of {what}; the smallest is {low.policy} at micro-batch "
+        f"{low.batch_size} × accum {low.accum}: {_fmt(low.get(metric), 2)} MiB (job {low.ident})"
+    )
+
+
+# --- the table -----------------------------------------------------------------------------------------------------
+def _fmt(x: float | None, digits: int) -> str:
+    if x is None:
+        return "—"
+    return f"{x:,.{digits}f}"
+
+
+def columns(jobs: list[Job]) -> list[tuple[str, str, int]]:
+    """(header, figure key, digits) of the numeric columns; the whole-step peak column only where measured."""
+    cols = [("act. peak MiB", "activation_peak_mib", 2), ("peak alloc MiB", "peak_allocated_mib", 1)]  # "—": no CUDA
+    if any(j.get("peak_total_mib") is not None for j in jobs):
+        cols.append(("step peak MiB", "peak_total_mib", 1))
+    cols += [("step ms", "median_step_ms", 1), ("tokens/s", "tokens_per_s", 0)]
+    return cols
+
+
+def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
+    cols = columns(jobs)
+    header = ["job", "policy", "micro-batch", "accum", "precision", "status", "steps"]
+    header += [c[0] for c in cols] + ["mem ×none", "time ×none", "train loss", "val loss"]
+    rows = []
+    for j in jobs:
+        mark = "" if j.baseline_exact or j.baseline is None else "*"
+        row = [
+            j.ident,
+            j.policy or "?",
+            str(j.batch_size) if j.batch_size is not None else "—",
+            str(j.accum) if j.accum is not None else "—",
+            j.precision or "—",
+            j.status if not j.from_events else f"{j.status}†",
+            _fmt(j.get("steps"), 0),
+        ]
+        cells = {key: _fmt(j.get(key), digits) for _, key, digits in cols}
+        if j.get("median_step_ms") is not None and j.step_ms_spread is not None:
+            cells["median_step_ms"] += f" ±{50 * j.step_ms_spread:.0f}%"
+        row += [cells[key] for _, key, _ in cols]
+        row += [
+            f"{j.mem_ratio:.2f}×{mark}" if j.mem_ratio is not None else "—",
+            f"{j.time_ratio:.2f}×{mark}" if j.time_ratio is not None else "—",
+            _fmt(j.get("final_train_loss"), 3),
+            _fmt(j.get("final_val_loss"), 3),
+        ]
+        rows.append(row)
+    return header, rows
+
+
+def markdown_table(jobs: list[Job]) -> str:
+    header, rows = table_rows(jobs)
+    text = {1, 4, 5}  # policy, precision, status: left; numbers right
+    align = ["---" if i in text else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+CSV_FIELDS = (
+    "job",
+    "folder",
+    "policy",
+    "batch_size",
+    "accum",
+    "precision",
+    "seq_len",
+    "model",
+    "device",
+    "status",
+    *FIGURES,
+    "step_ms_iqr_over_median",
+    "mem_ratio_vs_none",
+    "time_ratio_vs_none",
+    "baseline_job",
+    "figures_from_events",
+    "overrides",
+    "error",
+)
+
+
+def write_csv(jobs: list[Job], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for j in jobs:
+            w.writerow(
+                {
+                    "job": j.ident,
+                    "folder": j.name,
+                    "policy": j.policy,
+                    "batch_size": j.batch_size,
+                    "accum": j.accum,
+                    "precision": j.precision,
+                    "seq_len": j.seq_len,
+                    "model": j.model,
+                    "device": j.device,
+                    "status": j.status,
+                    **{k: j.get(k) for k in FIGURES},
+                    "step_ms_iqr_over_median": j.step_ms_spread,
+                    "mem_ratio_vs_none": j.mem_ratio,
+                    "time_ratio_vs_none": j.time_ratio,
+                    "baseline_job": j.baseline.ident if j.baseline is not None else None,
+                    "figures_from_events": " ".join(j.from_events),
+                    "overrides": j.overrides,
+                    "error": j.error,
+                }
+            )
+
+
+# --- plots ---------------------------------------------------------------------------------------------------------
+def _policy_colors(jobs: list[Job]) -> dict[str | None, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    policies = sorted({j.policy for j in jobs}, key=lambda p: _rank(POLICY_ORDER, p))
+    return {p: cmap(i % 10) for i, p in enumerate(policies)}
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both lower memory (x) and higher throughput (y), by memory."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+SPLIT_MARKERS = ("o", "s", "^", "D", "v", "P", "h", "<", ">")
+
+
+def point_positions(jobs: list[Job], metric: str) -> tuple[dict[int, tuple[float, float]], float, bool]:
+    """Where each job goes on the Pareto plot: (memory, tokens/s); a job with no memory figure goes to a right
+    edge, one with no throughput to the bottom. Returns ({id(job): (x, y)}, the right edge, whether it is used)."""
+    xs = [x for j in jobs if (x := j.get(metric)) is not None]
+    edge = (max(xs) if xs else 1.0) * 1.15
+    where = {}
+    at_edge = 0
+    for j in jobs:
+        x, y = j.get(metric), j.get("tokens_per_s")
+        if x is None:  # side by side along the edge rather than on top of each other
+            x, at_edge = edge * (1 + 0.025 * at_edge), at_edge + 1
+        where[id(j)] = (x, 0.0 if y is None else y)
+    return where, edge, at_edge > 0
+
+
+def plot_pareto(jobs: list[Job], metric: str, path: Path, title: str = "") -> int:
+    """Memory vs throughput, one point per job; returns the number of points drawn.
+
+    Completed jobs: colour = policy, marker = micro-batch × accum split; the Pareto front (no other completed job
+    has both less memory and more throughput) is the staircase. OOM jobs: a red x at the memory they reached;
+    error / missing jobs: a grey X. Jobs with no memory figure sit on a dotted line at the right edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    fig = Figure(figsize=(9.5, 6), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = _policy_colors(jobs)
+    splits = sorted({(j.batch_size, j.accum) for j in jobs}, key=lambda s: (-(s[0] or 0), s[1] or 0))
+    markers = {s: SPLIT_MARKERS[i % len(SPLIT_MARKERS)] for i, s in enumerate(splits)}
+    where, edge, edge_used = point_positions(jobs, metric)
+    done = [j for j in jobs if j.status == "completed" and j.get(metric) is not None and j.get("tokens_per_s")]
+    done_ids = {id(j) for j in done}
+    n = 0
+    ax.set_xlim(left=0, right=max(x for x, _ in where.values()) * 1.06 if edge_used else edge)
+    ys = [y for _, y in where.values()]
+    top = (max(ys) if ys and max(ys) > 0 else 1.0) * 1.15
+    ax.set_ylim(bottom=-0.03 * top, top=top)  # jobs with no throughput sit whole on the zero line
+    placed: list[tuple[float, float]] = []  # label anchors in points, to step a label down past its neighbours
+    for j in jobs:
+        x, y = where[id(j)]
+        if id(j) in done_ids:
+            style = dict(marker=markers[(j.batch_size, j.accum)], s=60, color=colors[j.policy], edgecolors="black",
+                         linewidths=0.6, zorder=3)  # fmt: skip
+        elif j.status == "oom":
+            style = dict(marker="x", s=90, color="crimson", linewidths=2.4, zorder=4)
+        else:
+            style = dict(marker="X", s=70, color="dimgrey", linewidths=0.5, zorder=4)
+        ax.scatter([x], [y], **style)
+        n += 1
+        if id(j) in done_ids:
+            px, py = ax.transData.transform((x, y)) * 72 / fig.dpi  # points, like the offsets
+            dy = 4.0
+            while any(abs(px - qx) < 50 and abs(py + dy - qy) < 8 for qx, qy in placed):
+                dy -= 8
+            placed.append((px, py + dy))
+            ax.annotate(j.label, (x, y), xytext=(5, dy), textcoords="offset points", fontsize=7)
+        else:  # upright, so that failures side by side on the axis keep their labels apart
+            ax.annotate(f"{j.label} {j.status.upper()}", (x, y), xytext=(0, 8), textcoords="offset points",
+                        fontsize=7, rotation=90, ha="center", va="bottom")  # fmt: skip
+    front = pareto_front([where[id(j)] for j in done])
+    if front:
+        fx, fy = zip(*front, strict=True)
+        ax.plot(fx, fy, drawstyle="steps-post", color="black", lw=1.2, alpha=0.6, zorder=2)
+    if edge_used:
+        ax.axvline(edge * 0.985, color="grey", ls=":", lw=1)
+        ax.annotate("no memory figure →", (edge, 1), xycoords=("data", "axes fraction"), xytext=(-3, -4),
+                    textcoords="offset points", ha="right", va="top", fontsize=7, color="grey")  # fmt: skip
+
+    shown = [p for p in colors if any(id(j) in done_ids and j.policy == p for j in jobs)]
+    handles = [Line2D([], [], ls="", marker="o", color=colors[p], label=p or "?") for p in shown]
+    if len(splits) > 1 or done:
+        handles += [
+            Line2D(
+                [],
+                [],
+                ls="",
+                marker=markers[s],
+                color="grey",
+                markeredgecolor="black",
+                label=f"micro-batch {s[0]} × accum {s[1]}",
+            )  # fmt: skip
+            for s in splits
+            if any(id(j) in done_ids and (j.batch_size, j.accum) == s for j in jobs)
+        ]
+    if front:
+        handles.append(Line2D([], [], color="black", alpha=0.6, label="Pareto front"))
+    if any(j.status == "oom" for j in jobs):
+        handles.append(Line2D([], [], ls="", marker="x", color="crimson", mew=2.4, label="OOM (memory reached)"))
+    if any(id(j) not in done_ids and j.status != "oom" for j in jobs):
+        handles.append(Line2D([], [], ls="", marker="X", color="dimgrey", label="error / missing"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+    ax.set_xlabel(f"{METRICS[metric]}, MiB ({metric}) — lower is better")
+    ax.set_ylabel("throughput, tokens/s — higher is better")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title or "memory vs throughput", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    return n
+
+
+def plot_losses(jobs: list[Job], path: Path, title: str = "") -> int:
+    """train/loss per job (solid), val/loss (dashed, same colour); returns the number of lines drawn."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 6), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    with_curves = [j for j in jobs if j.curves]
+    cmap = colormaps["tab20" if len(with_curves) > 10 else "tab10"]
+    lines = 0
+    for i, j in enumerate(with_curves):
+        color = cmap(i % cmap.N)
+        label = f"{j.ident}: {j.label}" + ("" if j.status == "completed" else f" ({j.status})")
+        if train := j.curves.get("train/loss"):
+            ax.plot(*zip(*train, strict=True), color=color, lw=1.2, label=label)
+            lines += 1
+        if val := j.curves.get("val/loss"):
+            ax.plot(
+                *zip(*val, strict=True),
+                color=color,
+                lw=1.2,
+                ls="--",
+                marker="o",
+                ms=3,
+                label=None if train else f"{label} val",
+            )
+            lines += 1
+    if not lines:
+        ax.text(0.5, 0.5, "no loss curves in the TensorBoard events", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.plot([], [], color="black", lw=1.2, label="train/loss (solid)")
+        ax.plot([], [], color="black", lw=1.2, ls="--", label="val/loss (dashed)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title or "loss curves", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    return lines
+
+
+# --- the report ----------------------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    folder: Path
+    jobs: list[Job]
+    metric: str
+    markdown: str
+    budget: str | None
+    pareto_points: int
+    loss_lines: int
+    paths: dict[str, Path]
+
+
+def _describe(jobs: list[Job]) -> str:
+    counts = {s: sum(j.status == s for j in jobs) for s in dict.fromkeys([*STATUS_ORDER, *(j.status for j in jobs)])}
+    parts = [f"{n} {s}" for s, n in counts.items() if n]
+    facts = []
+    for attr, name in (("model", "model"), ("seq_len", "seq_len"), ("device", "device")):
+        values = sorted({str(getattr(j, attr)) for j in jobs if getattr(j, attr) is not None})
+        if values:
+            facts.append(f"{name} {', '.join(values)}")
+    return f"{len(jobs)} job{'s' if len(jobs) != 1 else ''}: {', '.join(parts)}" + (
+        f" · {' · '.join(facts)}" if facts else ""
+    )
+
+
+def build_report(folder: Path, budget: float | None = None, metric: str = "auto", out: Path | None = None) -> Report:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    jobs = read_jobs(folder)
+    if not jobs:
+        raise FileNotFoundError(f"{folder}: no job folders (a summary.json or .hydra/ folder) found")
+    metric = choose_metric(jobs, metric)
+    attach_baselines(jobs, metric)
+    out = Path(out) if out is not None else folder
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in ("report.md", "report.csv", "pareto.png", "loss_curves.png")}
+    title = folder.resolve().name
+    points = plot_pareto(jobs, metric, paths["pareto.png"], f"{title}: {METRICS[metric]} vs throughput")
+    lines = plot_losses(jobs, paths["loss_curves.png"], f"{title}: loss per job")
+    write_csv(jobs, paths["report.csv"])
+    budget_text = budget_line(jobs, budget, metric) if budget is not None else None
+
+    md = [f"# Report: {title}", "", _describe(jobs), "", markdown_table(jobs), ""]
+    notes = [
+        f"Memory for the plot and the budget: **{METRICS[metric]}** (`{metric}`): {METRIC_NOTES[metric]}.",
+        "mem ×none and time ×none compare with the `none` job of the same micro-batch, accum and precision"
+        + (
+            " (* marks a row compared with the first `none` job instead, having none of its own)."
+            if any(j.baseline is not None and not j.baseline_exact for j in jobs)
+            else "."
+        ),
+        "step ms and tokens/s are medians over the steps after warm-up, tracked steps left out; ± is half their "
+        "interquartile range, in % of the median: where it is large (a shared or busy machine), so is the noise in "
+        "time ×none.",
+    ]
+    if any(j.from_events for j in jobs):
+        notes.append("† figures read from the job's TensorBoard events (its summary.json lacks them).")
+    md += [f"- {n}" for n in notes]
+    failed = [j for j in jobs if j.status != "completed"]
+    if failed:
+        md += ["", "## Jobs that did not complete", ""]
+        for j in failed:
+            what = f" `{j.overrides}`" if j.overrides else ""
+            md.append(f"- job {j.ident}{what} — **{j.status}**: {j.error or 'no reason recorded'}")
+    if budget_text:
+        md += ["", "## Budget", "", budget_text]
+    md += ["", "## Plots", "", "![memory vs throughput](pareto.png)", "", "![loss curves](loss_curves.png)", ""]
+    markdown = "\n".join(md)
+    paths["report.md"].write_text(markdown)
+    return Report(folder, jobs, metric, markdown, budget_text, points, lines, paths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.report",
+        description="Table, Pareto plot and loss curves of a Hydra multirun folder (or one run folder).",
+    )
+    p.add_argument("folder", type=Path, help="a multirun folder (runs/sweeps/<stamp>) or one run's folder")
+    p.add_argument("--budget", type=float, default=None, metavar="MiB", help="name the fastest job that fits this")
+    p.add_argument(
+        "--metric",
+        default="auto",
+        choices=["auto", *METRICS],
+        help="memory figure for the plot and the budget (auto: CUDA peak allocated on GPU, else the whole-step "
+        "peak peak_total_mib where recorded, else the activation peak)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write the report here instead of into the folder")
+    args = p.parse_args(argv)
+    try:
+        report = build_report(args.folder, args.budget, args.metric, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_describe(report.jobs))
+    print()
+    print(markdown_table(report.jobs))
+    print()
+    print(f"memory figure: {METRICS[report.metric]} ({report.metric})")
+    if report.budget:
+        print(report.budget.replace("**", ""))
+    print(f"wrote {', '.join(str(p) for p in report.paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
