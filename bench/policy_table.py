@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,13 +26,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from bench._readme import README, ROOT, cpu_name, replace_block
 from models.gpt import GPT, GPTConfig
 from trainer.flops import count_flops
 from trainer.memory import MIB, LiveTensorTracker
 from trainer.policies import POLICIES, apply_policy, build_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
 START, END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
 COMMAND = "python -m bench.policy_table --write-readme"
 
@@ -50,16 +48,6 @@ def policy_configs() -> dict[str, Any]:
         path = ROOT / "conf" / "policy" / f"{name}.yaml"
         cfgs[name] = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {"name": name}
     return cfgs
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> tuple[int, int]:
@@ -139,15 +127,7 @@ def header(seconds: float) -> str:
 
 
 def write_readme(block: str, path: Path = README) -> None:
-    text = path.read_text() if path.exists() else ""
-    body = f"{START}\n{block}\n{END}"
-    if START in text and END in text and text.index(START) < text.index(END):
-        pre, rest = text.split(START, 1)
-        _, post = rest.split(END, 1)
-        text = pre + body + post
-    else:
-        text = text.rstrip("\n") + "\n\n## Measured: every policy against `none`\n\n" + body + "\n"
-    path.write_text(text)
+    replace_block(path, START, END, block, "## Measured: every policy against `none`")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
+from callbacks.snapshot import MemorySnapshot
 from callbacks.tb_layout import write_tb_layout
 from models.gpt import GPTConfig
 from trainer.data import DataError, TextDataModule
@@ -218,6 +219,9 @@ class Run:
         self.guard = NumericGuard(t.on_nonfinite)
         callbacks: list[L.Callback] = [self.measure, self.guard, *extra]
         callbacks += sweep_progress()  # "job i/n step s/max" in a Hydra multirun; [] otherwise
+        m = config.measure
+        if m.snapshot_step is not None or m.snapshot_on_oom:
+            callbacks.append(MemorySnapshot(m.snapshot_step, m.snapshot_on_oom, run_dir))
         if t.enable_checkpointing:
             callbacks.append(
                 ModelCheckpoint(

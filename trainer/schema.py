@@ -110,10 +110,16 @@ class MeasureConfig:
     # tracked steps are left out of the time figures). 0 disables the tracker.
     activation_every_n_steps: int = 25
     device_stats: bool = False  # also add Lightning's DeviceStatsMonitor (every allocator stat, verbose)
+    # Record optimizer step k: a CUDA allocator snapshot for pytorch.org/memory_viz, or on CPU the live-tensor
+    # timeline (JSON + PNG). null: off.
+    snapshot_step: int | None = None
+    snapshot_on_oom: bool = False  # CUDA: record allocator history from fit start; dump it if the run dies of OOM
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.activation_every_n_steps < 0:
             raise ValueError("measure.warmup_steps and measure.activation_every_n_steps must be ≥ 0")
+        if self.snapshot_step is not None and self.snapshot_step < 0:
+            raise ValueError(f"measure.snapshot_step={self.snapshot_step} must be ≥ 0 (or null)")
 
 
 @dataclass
