@@ -201,3 +201,15 @@ def test_cli_user_command_runs(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["policy"] == "selective" and summary["accum"] == 8 and summary["tokens_per_step"] == 8 * 4 * 32
     assert summary["plan"].endswith("selective")
+
+
+@pytest.mark.slow
+def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
+    """`trainer.compile=true` compiles the model after the policy: the checkpoint regions go through dynamo."""
+    common = [*SMALL, "trainer.max_steps=3", "trainer.enable_checkpointing=false", "model.dropout=0.0"]
+    eager = run_cli(*common, "policy=none", f"hydra.run.dir={tmp_path / 'eager'}")
+    compiled = run_cli(*common, "policy=full", "trainer.compile=true", f"hydra.run.dir={tmp_path / 'compiled'}")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("eager", "compiled"))
+    assert b["status"] == "completed" and b["plan"] == "[0-1]:full"
+    assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], abs=2e-3)  # inductor reorders float math
