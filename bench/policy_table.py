@@ -42,7 +42,8 @@ ORDER = ["none", "full", "selective", "sqrt", "every_k", "first_k", "op_sac", "o
 
 def policy_configs() -> dict[str, Any]:
     """Each registered policy with the parameters of its conf/policy yaml (registry defaults where none)."""
-    names = [n for n in ORDER if n in POLICIES] + sorted(set(POLICIES) - set(ORDER))
+    # `auto` plans for a memory budget: bench/planner.py measures it at a range of budgets.
+    names = [n for n in ORDER if n in POLICIES] + sorted(set(POLICIES) - set(ORDER) - {"auto"})
     cfgs = {}
     for name in names:
         path = ROOT / "conf" / "policy" / f"{name}.yaml"

@@ -48,6 +48,10 @@ def compose_cfg() -> Callable[..., DictConfig]:
     return _compose
 
 
+# One thread: tiny shapes gain nothing from a second, and on 2 shared cores its spin-waits cost 10x.
+CLI_ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
 def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run train.py as a user would, in a fresh interpreter."""
     return subprocess.run(
@@ -56,6 +60,5 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Co
         capture_output=True,
         text=True,
         timeout=timeout,
-        # One thread: tiny shapes gain nothing from a second, and on 2 shared cores its spin-waits cost 10x.
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+        env=CLI_ENV,
     )

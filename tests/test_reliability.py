@@ -15,10 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.conftest import ROOT, SMALL, run_cli
+from tests.conftest import CLI_ENV, ROOT, SMALL, run_cli
 from trainer.run import RunFailed, train
 
-RESUME = [*SMALL, "trainer.max_steps=40", "trainer.checkpoint_every_n_steps=1", "trainer.val_every_n_steps=15",
+RESUME = [*SMALL, "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=1", "trainer.val_every_n_steps=15",
           "measure.activation_every_n_steps=0", "model.dropout=0.1"]  # fmt: skip
 
 
@@ -37,16 +37,17 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
-def kill_after_checkpoints(run_dir: Path, n: int, *args: str) -> None:
-    """Start a run, SIGKILL it from outside once it has written `n` periodic checkpoints."""
+def kill_after_step(run_dir: Path, step: int, *args: str) -> None:
+    """Start a run, SIGKILL it from outside once its checkpoint of `step` (or a later one) exists."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                            env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:
-            if len(list((run_dir / "checkpoints").glob("step*.ckpt"))) >= n:
+            names = [p.stem for p in (run_dir / "checkpoints").glob("step*.ckpt")]
+            if any(int(n.removeprefix("step")) >= step for n in names if n.removeprefix("step").isdigit()):
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         assert proc.poll() is None, "the run finished before it could be killed; make it longer"
         os.kill(proc.pid, signal.SIGKILL)
     finally:
@@ -62,15 +63,15 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path, resume_
     assert r.returncode == 0, r.stderr[-2000:]
 
     killed = tmp_path / "killed"
-    kill_after_checkpoints(killed, 3, *RESUME, "policy=none")
+    kill_after_step(killed, 5, *RESUME, "policy=none")
     killed_at = max(step_losses(killed))
-    assert killed_at < 40
+    assert killed_at < 60
     # Resume in the same folder, here also under another policy: state_dict keys are the same for every policy.
     r = run_cli(*RESUME, f"policy={resume_policy}", f"hydra.run.dir={killed}", "ckpt_path=last")
     assert r.returncode == 0, r.stderr[-2000:]
 
     want, got = step_losses(reference), step_losses(killed)
-    assert sorted(got) == list(range(1, 41)) == sorted(want)
+    assert sorted(got) == list(range(1, 61)) == sorted(want)
     assert got == want, "no batch skipped or repeated, same dropout masks"
     a, b = final_weights(reference), final_weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

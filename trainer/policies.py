@@ -385,17 +385,104 @@ class PerBlock(_SacMixin, _OffloadMixin, Policy):
             Offload.check(self, n_layer, attention)  # type: ignore[arg-type]
 
     def plan(self, model: nn.Module) -> Plan:
-        treatments = self.treatments(_n_layer(model))
-        segments: list[Segment] = []
-        for i, t in enumerate(treatments):
-            mode: SegmentMode = _MODE_OF[t]  # type: ignore[assignment]
-            if mode == "store" and segments and segments[-1].mode == "store" and segments[-1].stop == i:
-                segments[-1] = Segment(segments[-1].start, i + 1, "store")
-            else:
-                segments.append(Segment(i, i + 1, mode))
-        eager = {i for i, b in enumerate(model.blocks) if b.attn.attention == "eager"}
-        selective = {i for i, t in enumerate(treatments) if t == "selective"} & eager
-        return Plan(tuple(segments), frozenset(selective))
+        return plan_from_treatments(model, self.treatments(_n_layer(model)))
+
+
+def plan_from_treatments(model: nn.Module, treatments: list[str] | tuple[str, ...]) -> Plan:
+    """One treatment per block → a Plan (what `per_block` and `auto` install): one segment per recomputed or
+    offloaded block, consecutive stored blocks in one segment, selective only where attention is eager."""
+    segments: list[Segment] = []
+    for i, t in enumerate(treatments):
+        mode: SegmentMode = _MODE_OF[t]  # type: ignore[assignment]
+        if mode == "store" and segments and segments[-1].mode == "store" and segments[-1].stop == i:
+            segments[-1] = Segment(segments[-1].start, i + 1, "store")
+        else:
+            segments.append(Segment(i, i + 1, mode))
+    eager = {i for i, b in enumerate(model.blocks) if b.attn.attention == "eager"}
+    selective = {i for i, t in enumerate(treatments) if t == "selective"} & eager
+    return Plan(tuple(segments), frozenset(selective))
+
+
+@dataclass
+class AutoConfig(OpSacConfig, OffloadConfig):
+    """policy=auto: the fastest per-block plan whose predicted whole-step peak fits the budget (trainer/planner.py).
+
+    The budget bounds the step's whole peak as the run reports it (`peak_total_mib`: the CUDA allocator's peak, or
+    the live-tensor tracker's on CPU). Give exactly one of budget_mib, budget_gb (10^9 bytes) or budget_fraction
+    (of the CUDA device's total memory).
+    """
+
+    budget_mib: float | None = None
+    budget_gb: float | None = None
+    budget_fraction: float | None = None
+    allow_accum: bool = False  # nothing fits: halve the micro-batch, double accum (same tokens per step), retry
+    profile_repeats: int = 3  # timed repetitions per block and treatment (median)
+    # offload is used only where there is a CUDA device (elsewhere it is `none`); selective only with eager attention
+    candidates: list[str] = field(default_factory=lambda: ["none", "selective", "op_sac", "full", "offload"])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give exactly one of policy.budget_mib, policy.budget_gb, policy.budget_fraction "
+                f"(got {', '.join(given)})"
+            )
+        for k in given:
+            if not getattr(self, k) > 0:
+                raise ValueError(f"policy.{k}={getattr(self, k)} must be > 0")
+        if self.budget_fraction is not None and self.budget_fraction > 1:
+            raise ValueError(f"policy.budget_fraction={self.budget_fraction} must be in (0, 1]")
+        if self.profile_repeats < 1:
+            raise ValueError(f"policy.profile_repeats={self.profile_repeats} must be ≥ 1")
+        if not self.candidates:
+            raise ValueError("policy.candidates is empty; list some of none, selective, op_sac, full, offload")
+        for t in self.candidates:
+            if t not in TREATMENTS:
+                raise ValueError(f"unknown treatment {t!r} in policy.candidates; choose from {', '.join(TREATMENTS)}")
+
+
+@register
+class Auto(_SacMixin, _OffloadMixin, Policy):
+    """The memory-budget planner's policy: a per-block plan chosen at fit start by `callbacks.planner`.
+
+    `plan()` installs the chosen treatments (`choose`); before a choice is made it checkpoints every block (`full`,
+    the frugal default), so a model used without the planning callback never exceeds what `full` needs.
+    """
+
+    name = "auto"
+    Config = AutoConfig
+    chosen: tuple[str, ...] | None = None  # the planner's treatments, one per block
+    planned_by: Any = None  # weak reference to the callback that planned it (one planner per model)
+
+    def choose(self, treatments: list[str] | tuple[str, ...]) -> None:
+        for t in treatments:
+            if t not in TREATMENTS:
+                raise PolicyError(f"policy auto: unknown treatment {t!r}")
+        self.chosen = tuple(treatments)
+
+    def check(self, n_layer: int, attention: str) -> None:
+        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self.cfg, k) is not None]
+        if not given:
+            raise PolicyError(
+                "policy auto needs a budget: give one of policy.budget_mib=…, policy.budget_gb=… or "
+                "policy.budget_fraction=… (of the CUDA device's memory)"
+            )
+        if self.cfg.budget_fraction is not None and not torch.cuda.is_available():
+            raise PolicyError(
+                f"policy auto: policy.budget_fraction={self.cfg.budget_fraction} is a fraction of a CUDA device's "
+                "memory and there is none here; give policy.budget_mib=… instead"
+            )
+        if "op_sac" in self.cfg.candidates:
+            resolve_ops(self.cfg.save_ops, self.name)
+        if self.chosen is not None and len(self.chosen) != n_layer:
+            raise PolicyError(f"policy auto: the chosen plan has {len(self.chosen)} blocks, the model {n_layer}")
+
+    def plan(self, model: nn.Module) -> Plan:
+        n = _n_layer(model)
+        if self.chosen is None:
+            return plan_from_treatments(model, ["full"] * n)
+        return plan_from_treatments(model, list(self.chosen))
 
 
 class ActivationOffloader:
@@ -616,6 +703,7 @@ __all__ = [
     "Segment",
     "apply_policy",
     "build_policy",
+    "plan_from_treatments",
     "policy_params",
     "remove_policy",
 ]

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
+from callbacks.planner import AutoPlanCallback
 from callbacks.snapshot import MemorySnapshot
 from callbacks.tb_layout import write_tb_layout
 from models.gpt import GPTConfig
@@ -217,7 +218,9 @@ class Run:
         t = config.trainer
         self.measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
         self.guard = NumericGuard(t.on_nonfinite)
-        callbacks: list[L.Callback] = [self.measure, self.guard, *extra]
+        # policy=auto plans at fit start from a profile of the real batch; after `measure`, so it sees each step.
+        self.planner = AutoPlanCallback() if module.policy.cfg.name == "auto" else None
+        callbacks: list[L.Callback] = [self.measure, self.guard, *([self.planner] if self.planner else []), *extra]
         callbacks += sweep_progress()  # "job i/n step s/max" in a Hydra multirun; [] otherwise
         m = config.measure
         if m.snapshot_step is not None or m.snapshot_on_oom:
@@ -267,7 +270,7 @@ class Run:
         log.info(
             "policy=%s plan=%s | %s params | %d train / %d val tokens",
             module.policy.cfg.name,
-            module.model.activation_plan.describe(),
+            "chosen at fit start" if self.planner else module.model.activation_plan.describe(),
             f"{module.model.num_parameters():,}",
             data.train_tokens,
             data.val_tokens,
@@ -284,7 +287,9 @@ class Run:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 status = "interrupted"
             reason = one_line(e) if isinstance(e, NonFiniteError) else f"{type(e).__name__}: {one_line(e)}"
-            self._finish({**self.identity(), "status": status, "error": reason, **self.measure.summary()})
+            self._finish(
+                {**self.identity(), "status": status, "error": reason, **self.measure.summary(), **self.auto_summary()}
+            )
             if status == "interrupted":
                 raise
             raise RunFailed(status, f"{status} at step {self.trainer.global_step}: {reason}") from e
@@ -295,12 +300,16 @@ class Run:
                 **self.identity(),
                 "status": "completed",
                 **self.measure.summary(),
+                **self.auto_summary(),
                 "final_val_loss": val_loss,
                 "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
                 "skipped_steps": self.guard.skipped_steps,
                 **({"per_rank": ranks} if ranks else {}),
             }
         )
+
+    def auto_summary(self) -> dict[str, Any]:
+        return self.planner.summary() if self.planner else {}
 
     def identity(self) -> dict[str, Any]:
         """What this run is: the fields a report groups and sorts by."""
