@@ -553,8 +553,7 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
         ({"name": "per_block", "blocks": ["full"] * 3}, ["3 entries", "4 blocks"]),
         ({"name": "per_block", "blocks": ["full", "fulll", "none", "none"]}, ["unknown treatment 'fulll'", "offload"]),
         ({"name": "per_block", "pattern": ["bogus"]}, ["unknown treatment 'bogus'", "policy.pattern"]),
-        ({"name": "per_block"}, ["exactly one of policy.blocks", "policy.pattern"]),
-        ({"name": "per_block", "blocks": ["full"] * 4, "pattern": ["full"]}, ["exactly one of policy.blocks"]),
+        ({"name": "per_block"}, ["give policy.blocks=[...]", "policy.pattern=[...]"]),
         ({"name": "op_sac", "save_ops": ["aten.nosuchop"]}, ["unknown op 'aten.nosuchop'", "aten.mm"]),
         ({"name": "op_sac", "save_ops": ["mm"]}, ["unknown op 'mm'"]),
         ({"name": "full", "k": 3}, ["policy.k", "not in"]),
@@ -609,3 +608,9 @@ def test_build_policy_accepts_a_name_a_dict_and_a_config_object() -> None:
     assert build_policy("full").name == "full"
     assert build_policy({"name": "every_k", "k": 3}).cfg.k == 3
     assert build_policy(POLICIES["first_k"].Config(name="first_k", k=1)).cfg.k == 1
+
+
+def test_per_block_blocks_override_the_default_pattern() -> None:
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    apply_policy(model, {"name": "per_block", "pattern": ["full", "none"], "blocks": ["none", "none", "full", "full"]})
+    assert model.activation_plan.describe() == "[0-1]:none [2-3]:full"

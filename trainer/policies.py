@@ -345,8 +345,9 @@ class PerBlockConfig(OpSacConfig, OffloadConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if bool(self.blocks) == bool(self.pattern):
-            raise ValueError("give exactly one of policy.blocks=[...] (one per block) or policy.pattern=[...]")
+        # `blocks` wins when given, so `policy.blocks=[...]` works on top of the yaml's default pattern.
+        if not self.blocks and not self.pattern:
+            raise ValueError("give policy.blocks=[...] (one treatment per block) or policy.pattern=[...] (repeated)")
         for t in self.blocks or self.pattern:
             if t not in TREATMENTS:
                 raise ValueError(
