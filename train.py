@@ -26,7 +26,8 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from trainer.run import RunFailed, train  # Lightning and datasets load only once the config is known good
+    # Lightning and datasets load only once the config is known good.
+    from trainer.run import RunFailed, train, write_json_atomic
 
     hydra_cfg = HydraConfig.get()
     try:
@@ -38,6 +39,14 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
+        line = describe_user_error(e)
+        if line is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+            # A cell the sweep cannot run (e.g. policy.k above this model's depth): say so in its folder, go on.
+            run_dir = Path(hydra_cfg.runtime.output_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(run_dir / "summary.json", {"status": "error", "error": line})
+            logging.getLogger("train").error("job %s refused: %s", hydra_cfg.job.num, line)
+            return None
         # Exit here rather than raise: Hydra would wrap a raised error in a report of its own.
         _exit_if_user_error(e)
         raise

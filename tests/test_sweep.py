@@ -342,3 +342,16 @@ def test_sweep_with_an_oom_job_goes_on_and_reports_it(tmp_path: Path) -> None:
         assert j.get("tokens_per_s") and j.get("activation_peak_mib") and j.get("final_val_loss")
     hp = session_hparams(jobs["1"])  # the OOM job keeps its row in the HParams table
     assert hp["policy"] == "none" and hp["batch_size"] == 2048
+
+
+@pytest.mark.slow
+def test_a_refused_cell_records_error_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """The micro model has 2 blocks, so the policy.k=3 cell is refused; the cells after it still run."""
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", *SMALL, "policy=every_k", "policy.k=1,3,2", "trainer.max_steps=2",
+                f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    statuses = {p.parent.name.split("_")[0]: json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")}
+    assert statuses == {"0": "completed", "1": "error", "2": "completed"}
+    refused = json.loads(next(sweep.glob("1_*/summary.json")).read_text())
+    assert "policy.k=3 must be between 1 and model.n_layer=2" in refused["error"]
