@@ -1,11 +1,16 @@
-"""The estimator held to measurement: activation peaks against the live-tensor tracker, FLOPs against
-FlopCounterMode, and the command line.
+"""The estimator held to measurement: activation peaks against the live-tensor tracker, the whole step's peak against
+real training runs, FLOPs against FlopCounterMode, and the command line.
 
 Every registered policy is estimated and measured at several tiny shapes that vary T, B, L, n_embd and heads,
 dropout 0.1 and 0, eager and SDPA attention (SDPA with dropout takes the CPU math fallback), 32-true, bf16-mixed
 and bf16-true. The measurement runs what GPTModule.training_step runs (forward under autocast returning only the
 loss, then backward) inside a LiveTensorTracker and takes `peak_bytes_excluding(param grads)`, the figure the
-measuring callback logs as memory/activation_peak_mib.
+measuring callback logs as memory/activation_peak_mib. Autocast runs as Lightning's precision plugin runs it, with
+its weight cache off (the estimator's default); the bf16-mixed shapes are also measured with the cache on, against
+the estimator's `autocast_cache=True`.
+
+The whole step: short `trainer.run.train` runs (several policies, accumulation, fp32 and bf16 weights), their
+summary's `peak_total_mib` and `activation_peak_mib` against `peak_bytes` and `activation_bytes`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +32,7 @@ from trainer.estimate import (
     Estimate,
     Shapes,
     block_inventory,
+    buffer_bytes,
     default_policy,
     estimate,
     estimate_all,
@@ -36,11 +43,15 @@ from trainer.estimate import (
     shapes_of,
 )
 from trainer.flops import count_flops
-from trainer.memory import LiveTensorTracker
+from trainer.memory import MIB, LiveTensorTracker
 from trainer.policies import POLICIES, PolicyError, apply_policy, build_policy, policy_params
+from trainer.run import train
 from trainer.schema import Config, validate
 
-TOLERANCE = 0.10  # the issue's contract; observed agreement is far tighter (see the reply / README)
+TOLERANCE = 0.10  # the issue's contract; observed agreement is far tighter (a few hundred bytes on these shapes)
+# The whole step against real runs: observed within ~200 bytes (Lightning's scalars). 2 % still catches the old
+# model's errors (every gradient beside the activation peak, no buffers): 4-10 % on these runs at accum=1.
+STEP_TOLERANCE = 0.02
 
 # Tiny shapes (model=micro is the base). Each varies several of T, B, L, n_embd, heads.
 SHAPES = {
@@ -89,8 +100,9 @@ def runnable(config: Config) -> Config:
     return config
 
 
-def _model_and_step(config: Config) -> tuple[GPT, Callable[[], torch.Tensor]]:
-    """The real model with the configured policy, and one training step's forward (as GPTModule runs it)."""
+def _model_and_step(config: Config, cache: bool = False) -> tuple[GPT, Callable[[], torch.Tensor]]:
+    """The real model with the configured policy, and one training step's forward (as GPTModule runs it), under
+    autocast with its weight cache off as Lightning's precision plugin runs it (`cache`: on, as a bare loop's)."""
     sh, _ = shapes_of(config)
     torch.manual_seed(0)
     values = {f.name: getattr(config.model, f.name) for f in fields(GPTConfig)}
@@ -100,18 +112,22 @@ def _model_and_step(config: Config) -> tuple[GPT, Callable[[], torch.Tensor]]:
     apply_policy(model, config.policy)
     x = torch.randint(0, sh.vocab, (sh.batch, sh.seq))
     y = torch.randint(0, sh.vocab, (sh.batch, sh.seq))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.precision == "bf16-mixed" else nullcontext()
+
+    def autocast() -> torch.autocast | nullcontext[None]:
+        if config.precision == "bf16-mixed":
+            return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
+        return nullcontext()
 
     def forward() -> torch.Tensor:
-        with autocast:
+        with autocast():
             _, loss = model(x, y)  # the logits die here, with the step's frame
         return loss
 
     return model, forward
 
 
-def measured_activation_peak(config: Config) -> int:
-    model, forward = _model_and_step(config)
+def measured_activation_peak(config: Config, cache: bool = False) -> int:
+    model, forward = _model_and_step(config, cache)
     with LiveTensorTracker() as tracker:
         forward().backward()
     return tracker.peak_bytes_excluding([p.grad for p in model.parameters()])
@@ -122,16 +138,22 @@ def measured_activation_peak(config: Config) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# (shape, autocast cache): every shape as train.py runs it, and the autocast shapes with the cache on too
+CASES = [(shape, False) for shape in SHAPES] + [(s, True) for s in SHAPES if "bf16mixed" in s]
+
+
+@pytest.mark.parametrize("shape, cache", CASES, ids=[s + ("-cache" if c else "") for s, c in CASES])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_activation_peak_matches_the_tracker(config_for: Callable[..., Config], shape: str, policy: str) -> None:
+def test_activation_peak_matches_the_tracker(
+    config_for: Callable[..., Config], shape: str, cache: bool, policy: str
+) -> None:
     config = runnable(config_for(shape, policy))
-    est = estimate(config, "cpu")
-    measured = measured_activation_peak(config)
+    est = estimate(config, "cpu", autocast_cache=cache)
+    measured = measured_activation_peak(config, cache)
     error = est.activation_bytes / measured - 1
     assert abs(error) <= TOLERANCE, (
-        f"{policy} at {shape}: estimated {est.activation_bytes} B, measured {measured} B ({100 * error:+.2f} %); "
-        f"estimated peak at {est.peak_at}"
+        f"{policy} at {shape} (autocast cache {'on' if cache else 'off'}): estimated {est.activation_bytes} B, "
+        f"measured {measured} B ({100 * error:+.2f} %); estimated peak at {est.peak_at}"
     )
 
 
@@ -151,6 +173,48 @@ def test_the_comparison_can_fail(config_for: Callable[..., Config]) -> None:
         wrong = est.activation_bytes - (est.components[left_out] if left_out else 0)
         assert abs(wrong / measured - 1) > TOLERANCE, (shape, policy, device, left_out)
         assert abs(estimate(config, "cpu").activation_bytes / measured - 1) <= TOLERANCE
+    # The autocast cache: under `full` it holds every block's weight copies to the end of the forward. Modelling
+    # the wrong one of Lightning's (off) and a bare loop's (on) autocast misses by more than the tolerance.
+    config = config_for("eager-dropout-bf16mixed", "full")
+    for cache in (False, True):
+        measured = measured_activation_peak(config, cache)
+        assert abs(estimate(config, autocast_cache=cache).activation_bytes / measured - 1) <= TOLERANCE
+        assert abs(estimate(config, autocast_cache=not cache).activation_bytes / measured - 1) > TOLERANCE, cache
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole step: estimate vs real training runs (train.py's summary).
+# ----------------------------------------------------------------------------------------------------
+
+RUNS = {  # name: (policy, extra overrides); on conftest's SMALL (model=micro: eager, dropout 0.1, bf16-mixed)
+    **{p: (p, ()) for p in POLICIES if p != "auto"},  # auto plans at fit start: tests/test_planner.py
+    "full-accum2": ("full", ("accum=2",)),
+    "none-accum2": ("none", ("accum=2",)),
+    "none-sdpa-32true": ("none", ("model.attention=sdpa", "model.dropout=0.0", "precision=32-true")),
+    "sqrt-sdpa-dropout-L4": ("sqrt", ("model.attention=sdpa", "model.n_layer=4")),  # CPU math fallback
+    "op_sac-bf16true": ("op_sac", ("precision=bf16-true",)),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_step_peak_matches_a_training_run(compose_cfg: Callable[..., object], tmp_path: Path, run: str) -> None:
+    """`peak_bytes` is the whole step's peak as train.py measures it (memory/peak_total_mib: the tracker with the
+    training state adopted, in steady state) and `activation_bytes` its memory/activation_peak_mib."""
+    policy, extra = RUNS[run]
+    cfg = compose_cfg(f"policy={policy}", "trainer.max_steps=3", "trainer.enable_checkpointing=false", *extra)
+    est = estimate(validate(cfg), "cpu")
+    summary = train(cfg, tmp_path / run)
+    assert summary["status"] == "completed"
+    total, activation = summary["peak_total_mib"] * MIB, summary["activation_peak_mib"] * MIB
+    for what, estimated, measured, tolerance in (
+        ("peak_total", est.peak_bytes, total, STEP_TOLERANCE),
+        ("activation_peak", est.activation_bytes, activation, TOLERANCE),
+    ):
+        error = estimated / measured - 1
+        assert abs(error) <= tolerance, (
+            f"{run}: {what} estimated {estimated} B, measured {measured:.0f} B ({100 * error:+.2f} %); "
+            f"step peak estimated at {est.step_peak_at}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -237,9 +301,13 @@ def test_components_add_up_and_optimizer_dtype(config_for: Callable[..., Config]
         c = est.components
         parts = ("autocast_weight_copies", "activations", "recompute_transient", "backward_working_set")
         assert sum(c[k] for k in (*parts, "logits_loss", "tied_grad_buffer")) == est.activation_bytes
-        state = c["parameters"] + c["gradients"] + c["optimizer_state"]
-        after_backward = c["optimizer_step_transient"]
-        assert c["total"] == est.peak_bytes == state + max(est.activation_bytes - c["tied_grad_buffer"], after_backward)
+        resident = c["parameters"] + c["buffers"] + c["optimizer_state"]
+        assert c["total"] == est.peak_bytes == resident + c["step_peak_gradients"] + c["step_peak_in_flight"]
+        assert c["step_peak_gradients"] <= c["gradients"]
+        # at least the activation peak and the optimizer step; at most every gradient beside the larger of them
+        after_backward = c["gradients"] + c["optimizer_step_transient"]
+        assert resident + max(est.activation_bytes, after_backward) <= est.peak_bytes
+        assert est.peak_bytes <= resident + c["gradients"] + max(est.activation_bytes, c["optimizer_step_transient"])
     sh, _ = shapes_of(config_for("eager-dropout-bf16true"))
     n = parameter_count(sh)
     assert estimate(config_for("eager-dropout-bf16true")).components["optimizer_state"] == 2 * n * 2
@@ -269,11 +337,14 @@ def test_optimizer_step_temporaries_match_the_tracker(config_for: Callable[..., 
     assert tracker.peak_bytes == optimizer_step_bytes(sh)
 
 
-def test_parameter_count_matches_the_model(config_for: Callable[..., Config]) -> None:
+def test_parameter_and_buffer_bytes_match_the_model(config_for: Callable[..., Config]) -> None:
     for shape in SHAPES:
         config = config_for(shape)
         model, _ = _model_and_step(config)
-        assert parameter_count(shapes_of(config)[0]) == model.num_parameters()
+        sh = shapes_of(config)[0]
+        assert parameter_count(sh) == model.num_parameters()
+        assert buffer_bytes(sh) == sum(b.nbytes for b in model.buffers())
+        assert estimate(config).components["parameters"] == sum(p.nbytes for p in model.parameters())
 
 
 def test_vocab_size_assumption(config_for: Callable[..., Config]) -> None:
@@ -343,6 +414,25 @@ def test_cli_example_prints_table_verdict_and_json(tmp_path) -> None:
     e = data["estimate"]
     assert e["peak_bytes"] == e["components"]["total"] and len(e["per_block"]) == 24
     assert e["flops"] == e["fwd_flops"] + e["bwd_flops"] + e["recompute_flops"]
+
+
+def test_cli_autocast_cache_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """train.py's autocast (weight cache off) by default; --autocast-cache models a bare loop's default autocast."""
+    args = ["model=micro", "model.n_layer=4", "model.n_embd=128", "seq_len=8", "batch_size=1", "policy=full"]
+    assert main([*args, "--json", str(tmp_path / "off.json")]) == 0
+    off = capsys.readouterr().out
+    assert main([*args, "--autocast-cache", "--json", str(tmp_path / "on.json")]) == 0
+    on = capsys.readouterr().out
+    assert "assumption: autocast weight cache off, as train.py runs it" in off and "cache on" not in off
+    assert "assumption: autocast weight cache on (--autocast-cache)" in on
+    for text in (off, on):
+        assert "assumption: the total is a steady-state step as train.py runs it" in text
+        assert "  total (peak of the whole step)" in text and "buffers (causal masks, bool)" in text
+    data = {k: json.loads((tmp_path / f"{k}.json").read_text()) for k in ("off", "on")}
+    assert data["off"]["config"]["autocast_cache"] is False and data["on"]["config"]["autocast_cache"] is True
+    # full with wide layers and few tokens: the cache's weight copies of every block dominate the forward
+    assert data["on"]["estimate"]["peak_bytes"] > data["off"]["estimate"]["peak_bytes"]
+    assert data["on"]["estimate"]["activation_bytes"] > 1.5 * data["off"]["estimate"]["activation_bytes"]
 
 
 def test_cli_bad_override_is_one_line_exit_2() -> None:

@@ -2,16 +2,22 @@
 
     python -m trainer.estimate model=gpt2-medium seq_len=1024 batch_size=8 policy=full --budget 40GB
     python -m trainer.estimate policy=selective --device cuda --json estimate.json
+    python -m trainer.estimate policy=full --autocast-cache    # a bare loop's default autocast (weight cache on)
 
 The same Hydra overrides as train.py compose the same config; the answer is a breakdown of memory by component for
-the configured policy, the forward/backward/recompute FLOPs, and a table over every registered policy.
+the configured policy, the forward/backward/recompute FLOPs, and a table over every registered policy. The figures
+are the two train.py logs: memory/activation_peak_mib (`activation_bytes`) and memory/peak_total_mib (`peak_bytes`).
 
 How activation memory is modelled
 ---------------------------------
 In the spirit of Korthikanti et al. 2022 (Table 2), but per tensor and per dtype, with the effects measured on this
 project's model (../shared/BACKGROUND.md): fp32 residual stream under autocast, dropout keeping a noise tensor in the
 input dtype on CPU (a 1-byte bool mask on CUDA), biases, GELU input, eager vs fused attention, the CPU math fallback of
-SDPA with dropout (fp32 T×T tensors), and the bf16 weight copies autocast keeps.
+SDPA with dropout (fp32 T×T tensors), and the bf16 weight copies autocast makes. train.py runs autocast as Lightning's
+precision plugin does, with its weight cache off (`cache_enabled=False`): a weight's cast lives as long as autograd
+keeps it (to its backward when stored; not past its op under checkpoint). `Shapes.autocast_cache` (--autocast-cache)
+models the default cache instead, which holds every cast to the end of the forward (and of each recompute), as a
+bare loop under a plain ``torch.autocast`` sees it.
 
 1. ``block_forward`` lists, op by op, every tensor one transformer block creates in forward (name, shape, dtype,
    producing aten op, whether autograd saves it) and when forward is done with it. ``block_backward`` lists what its
@@ -23,14 +29,22 @@ SDPA with dropout (fp32 T×T tensors), and the bf16 weight copies autocast keeps
    attention only; ``op_sac`` keeps the outputs of the listed ops (the SAC cache) and recomputes the rest;
    ``offload`` moves saved tensors ≥ min_bytes to the host on CUDA (block i and the prefetched block i-1 come back
    in backward) and is a no-op on CPU. ``block_inventory`` shows the result per block.
-3. ``simulate`` replays the whole step (embedding, the Plan's segments, head, then backward in reverse with the
-   recomputes where torch triggers them) on a live-bytes timeline and takes the peak. That peak is what the
-   live-tensor tracker measures (``LiveTensorTracker.peak_bytes_excluding(param grads)``): activations, the recompute
-   transient, gradients in flight, logits/loss, autocast weight copies, and the tied embedding/lm_head weight's first
-   gradient contribution, which autograd buffers until the embedding's backward adds the second.
+3. ``simulate`` replays one micro-batch in Lightning's order (forward with last step's gradients alive, zero_grad,
+   then backward: the head, the Plan's segments in reverse with the recomputes where torch triggers them, the
+   embedding, each parameter's .grad appearing where its gradient is made) on a live-bytes timeline, with two peaks.
+   The activation peak leaves the parameters' gradients out: it is what the live-tensor tracker measures as
+   ``peak_bytes_excluding(param grads)`` (activations, the recompute transient, gradients in flight, logits/loss,
+   autocast weight copies, and the tied embedding/lm_head weight's first gradient contribution, which autograd
+   buffers until the embedding's backward adds the second). The step peak counts them.
+4. ``estimate_policy`` adds what the step holds throughout (parameters, buffers, AdamW state) to the larger of the
+   replay's step peak and the optimizer step (every gradient and AdamW.step()'s temporaries): train.py's
+   memory/peak_total_mib, the tracker over the whole step with the training state adopted. With accumulation, a
+   second replay covers the later micro-batches, which run with every gradient alive.
 
-The tests hold this model to the tracker within 10 % for every registered policy on CPU; on CUDA (bool dropout masks,
-fp32 softmax under autocast, fused kernels with dropout) it follows the same rules but has not been measured here.
+The tests hold this model to the tracker within 10 % for every registered policy on CPU (the agreement observed is
+within a few hundred bytes), and to real ``trainer.run.train`` runs' summaries; on CUDA (bool dropout masks, fp32
+softmax under autocast, fused kernels with dropout, allocator rounding) it follows the same rules but has not been
+measured here.
 """
 
 from __future__ import annotations
@@ -85,6 +99,10 @@ class Shapes:
     attention: str = "eager"  # eager | sdpa
     precision: str = "bf16-mixed"  # bf16-mixed | bf16-true | 32-true | 16-mixed
     device: str = "cpu"  # cpu | cuda: dropout masks, softmax under autocast and SDPA kernels differ
+    # Lightning's precision plugin runs autocast with its weight cache off (cache_enabled=False): a parameter's cast
+    # lives only as long as autograd keeps it. True models a bare loop's default autocast, whose cache holds every
+    # cast to the end of the forward (and of each recompute).
+    autocast_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -165,7 +183,8 @@ class Tensor:
     dtype: str
     op: str  # aten op that produces it (what SAC's save list matches)
     saved: bool = False  # autograd keeps it for backward (under `none`)
-    cached: bool = False  # an autocast cast of a parameter: the autocast cache holds it until autocast exits
+    cached: bool = False  # an autocast cast of a parameter: the autocast cache, when on, holds it until autocast exits
+    grad: bool = False  # a parameter's gradient (its .grad, or what is summed into it): not activation memory
     region: str = ""  # "core" for the core attention (what `selective` recomputes)
     flops: int = 0  # FLOPs of the op that produces it (matmuls only, as FlopCounterMode counts)
 
@@ -230,20 +249,22 @@ def _layernorm(b: _Builder, name: str, shape: tuple[int, ...], out_saved: bool) 
 
 
 def _linear(b: _Builder, name: str, x_dtype: str, fin: int, out: Tensor, bias: bool = True) -> None:
-    """F.linear. Under autocast: the bias copy (autocast cache only), the weight copy (saved) and, for an fp32
-    input, an input copy (saved) in the compute dtype. Without autocast it saves the input itself."""
+    """F.linear. Under autocast its arguments are cast in order to the compute dtype: an fp32 input (saved), the
+    weight (saved) and the bias (not saved: gone when the op returns, unless the autocast cache holds it). Without
+    autocast it saves the input itself."""
     sh = b.sh
     p = sh.compute
     fout = out.shape[-1]
     release = []
     if sh.autocast:
-        if sh.bias and bias:
-            b.op(b.t(f"{name}.b16", (fout,), p, "_to_copy", cached=True), release=[f"{name}.b16"])
-        b.op(b.t(f"{name}.w16", (fout, fin), p, "_to_copy", saved=True, cached=True))
-        release.append(f"{name}.w16")
         if x_dtype != p:
             b.op(b.t(f"{name}.in16", out.shape[:-1] + (fin,), p, "_to_copy", saved=True))
             release.append(f"{name}.in16")
+        b.op(b.t(f"{name}.w16", (fout, fin), p, "_to_copy", saved=True, cached=True))
+        release.append(f"{name}.w16")
+        if sh.bias and bias:
+            b.op(b.t(f"{name}.b16", (fout,), p, "_to_copy", cached=True))
+            release.append(f"{name}.b16")
     b.op(out, release=release)
 
 
@@ -426,14 +447,17 @@ def _linear_backward(
     release = [grad] if free_grad else []
     release += [x_saved] if x_saved else []
     flops = 4 * sh.tokens * fin * fout
-    if not sh.autocast:
-        b.bwd(dx, release=release, flops=flops)
+    grads = [b.t(f"{name}.gw", (fout, fin), sh.param, "mm", grad=True)]
+    if sh.bias:
+        grads.append(b.t(f"{name}.gb", (fout,), sh.param, "sum", grad=True))
+    if not sh.autocast:  # dW and db are the .grad themselves
+        b.bwd(dx, *grads, release=release, flops=flops)
         return
     temps = [b.t(f"{name}.dw16", (fout, fin), sh.compute, "mm")]
     if sh.bias:
         temps.append(b.t(f"{name}.db16", (1, fout), sh.compute, "sum"))
     b.bwd(dx, *temps, release=[*release, f"{name}.w16"], flops=flops)
-    b.bwd(release=[t.name for t in temps])  # ToCopyBackward: cast into the parameter's fp32 .grad
+    b.bwd(*grads, release=["@" + t.name for t in temps])  # ToCopyBackward: cast into the parameter's fp32 .grad
 
 
 def _branch_grad(b: _Builder, g: str, tag: str, drop: str, first: bool) -> str:
@@ -458,7 +482,9 @@ def _layernorm_backward(b: _Builder, name: str, grad: str, x: str, out: str) -> 
     if sh.autocast:  # ToCopyBackward of the linear's input cast: the gradient back to fp32
         b.bwd(b.t(f"{name}.g32", shape, sh.param, "_to_copy"), release=[grad])
         grad = f"{name}.g32"
-    b.bwd(b.t(out, shape, sh.param, "native_layer_norm_backward"), release=[grad, x, f"{name}.mean", f"{name}.rstd"])
+    op = "native_layer_norm_backward"
+    grads = [b.t(f"{name}.g{w}", (sh.n_embd,), sh.param, op, grad=True) for w in ("w", "b")[: 1 + sh.bias]]
+    b.bwd(b.t(out, shape, sh.param, op), *grads, release=[grad, x, f"{name}.mean", f"{name}.rstd"])
 
 
 def _core_eager_backward(b: _Builder) -> None:
@@ -615,8 +641,10 @@ def head_backward(sh: Shapes) -> list[Step]:
     else:
         b.bwd(b.t("@tied_grad", (V, C), r, "mm"), b.t("dx", (B, T, C), p, "mm"), release=[grad, "ln_f"], flops=flops)
         grad = "dx"
+    op = "native_layer_norm_backward"
     b.bwd(
-        b.t(f"@g{L}", (B, T, C), r, "native_layer_norm_backward"),
+        b.t(f"@g{L}", (B, T, C), r, op),
+        *(b.t(f"ln_f.g{w}", (C,), r, op, grad=True) for w in ("w", "b")[: 1 + sh.bias]),
         release=[grad, f"@b{L}.x", "ln_f.mean", "ln_f.rstd"],
     )
     return b.steps
@@ -629,9 +657,14 @@ def embed_backward(sh: Shapes) -> list[Step]:
     if sh.dropout > 0:
         b.bwd(b.t("gd", (B, T, C), r, "mul"), release=[g, "drop.mask"])
         g = "gd"
-    b.bwd(b.t("gpos", (1, T, C), r, "sum"))  # wpe: summed over the batch, then its .grad (not counted)
-    b.bwd(b.t("gwte", (V, C), r, "embedding_dense_backward"), release=["gpos"])
-    b.bwd(release=["gwte", "@tied_grad", g, "pos"])  # gwte + the buffered lm_head part → wte's .grad
+    b.bwd(b.t("gpos", (1, T, C), r, "sum"))  # wpe: summed over the batch, then its .grad
+    b.bwd(
+        b.t("gwpe", (sh.block_size, C), r, "embedding_dense_backward", grad=True),
+        b.t("gwte", (V, C), r, "embedding_dense_backward"),
+        release=["gpos"],
+    )
+    # gwte + the buffered lm_head part: their sum becomes wte's .grad
+    b.bwd(b.t("gwte_sum", (V, C), r, "add", grad=True), release=["gwte", "@tied_grad", g, "pos"])
     return b.steps
 
 
@@ -639,12 +672,16 @@ def embed_backward(sh: Shapes) -> list[Step]:
 # The replay: a live-bytes timeline over one micro-batch's forward and backward under a Plan.
 # ----------------------------------------------------------------------------------------------------
 
-# What is live at the peak, by kind (the activation peak is their sum).
-KINDS = ("activations", "recompute", "backward", "logits_loss", "weight_copies", "tied_grad")
+# What is live at the peak, by kind. The activation peak is the sum of all but "gradients" (the parameters'
+# gradients: last step's while the forward runs, then each .grad as backward makes it) and "batch" (a later
+# micro-batch's input, loaded inside the step), which the step's peak adds.
+KINDS = ("activations", "recompute", "backward", "logits_loss", "weight_copies", "tied_grad", "gradients", "batch")
 _LOGITS = re.compile(r"head\.(d?logits|d?logsoftmax|loss|total_weight|seed|dlogits32)")
 
 
 def _kind_of(t: Tensor, phase: str) -> str:
+    if t.grad:
+        return "gradients"
     if t.name == "tied_grad":
         return "tied_grad"
     if t.cached:
@@ -662,7 +699,9 @@ class _Live:
 
 
 class Timeline:
-    """Live bytes by kind; the peak, where it happened and what it was made of."""
+    """Live bytes by kind, and two peaks, each with where it happened and what it was made of: the activation peak
+    (`peak`: every kind but the parameters' gradients, what the live-tensor tracker reports as the activation peak)
+    and the step's (`step_peak`: gradients included; parameters and optimizer state are not in the timeline)."""
 
     def __init__(self) -> None:
         self.live: dict[str, _Live] = {}
@@ -671,6 +710,9 @@ class Timeline:
         self.peak = 0
         self.peak_kinds = dict(self.by_kind)
         self.peak_where = ""
+        self.step_peak = 0
+        self.step_peak_kinds = dict(self.by_kind)
+        self.step_peak_where = ""
         self.where = ""
         self.deferred: set[str] = set()  # released but still held by the autocast cache until autocast exits
         self.flops = {"forward": 0, "backward": 0, "recompute": 0}
@@ -684,8 +726,11 @@ class Timeline:
         self.bytes += t.nbytes
         self.by_kind[kind] += t.nbytes
         self.recompute_peak = max(self.recompute_peak, self.by_kind["recompute"])
-        if self.bytes > self.peak:
-            self.peak, self.peak_kinds, self.peak_where = self.bytes, dict(self.by_kind), self.where
+        activation = self.bytes - self.by_kind["gradients"] - self.by_kind["batch"]
+        if activation > self.peak:
+            self.peak, self.peak_kinds, self.peak_where = activation, dict(self.by_kind), self.where
+        if self.bytes > self.step_peak:
+            self.step_peak, self.step_peak_kinds, self.step_peak_where = self.bytes, dict(self.by_kind), self.where
 
     def free(self, name: str) -> None:
         e = self.live.pop(name, None)
@@ -715,15 +760,27 @@ def _op_name(name: str) -> str:
 
 
 class Replay:
-    """One micro-batch of the GPT under a Plan, replayed tensor by tensor on a Timeline.
+    """One micro-batch of the GPT under a Plan, replayed tensor by tensor on a Timeline, in Lightning's order.
 
-    Forward: the embedding, each segment's blocks (each treatment decides which tensors survive), the head; the
-    autocast cache lets go of its weight copies when forward ends. Backward: the head, then the segments in reverse,
-    each recompute run where torch triggers it, then the embedding.
+    Forward, with last step's gradients alive (Lightning zeroes them after `training_step`): the embedding, each
+    segment's blocks (each treatment decides which tensors survive), the head; with the autocast cache on, it lets
+    go of its weight copies when forward ends. Then zero_grad. Backward: the head, then the segments in reverse,
+    each recompute run where torch triggers it, then the embedding; each parameter's .grad appears where its
+    gradient is made. `accumulating`: a micro-batch after the first of an accumulated step, which runs with every
+    .grad alive throughout and sums each new gradient into it (the new one is a temporary), and whose input and
+    targets were loaded inside the step.
     """
 
-    def __init__(self, sh: Shapes, plan: Plan, save_ops: Iterable[str] = (), min_bytes: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        sh: Shapes,
+        plan: Plan,
+        save_ops: Iterable[str] = (),
+        min_bytes: int = 1 << 16,
+        accumulating: bool = False,
+    ) -> None:
         self.sh, self.plan = sh, plan
+        self.accumulating = accumulating
         self.save = frozenset(_op_name(o) for o in save_ops)
         self.min_bytes = min_bytes
         self.offload_moves = sh.device == "cuda"  # on CPU the offloader is a no-op
@@ -744,8 +801,9 @@ class Replay:
         on_recompute_point: Callable[[], None] | None = None,
     ) -> None:
         """Allocate each step's tensors; on release, free what `keep` does not hold for backward (forward-like
-        phases) or everything (backward). The autocast cache holds weight copies until `autocast_exit`."""
+        phases) or everything (backward). The autocast cache, when on, holds weight copies until `autocast_exit`."""
         tl = self.tl
+        cache = self.sh.autocast_cache
         for s in steps:
             if s.recompute_point:
                 if on_recompute_point is not None:
@@ -761,10 +819,14 @@ class Replay:
                 e = tl.live.get(name)
                 if e is None or (phase != "backward" and keep(e.tensor)):
                     continue
-                if e.tensor.cached and phase != "backward":
+                if cache and e.tensor.cached and phase != "backward":
                     tl.deferred.add(name)
                 else:
                     tl.free(name)
+            if self.accumulating:  # summed into the existing .grad in place, then let go of
+                for t in s.alloc:
+                    if t.grad:
+                        tl.free(t.name)
 
     def keep_rule(self, mode: str, group_start: int, i: int) -> Callable[[Tensor], bool]:
         """What block i (in a segment starting at group_start) keeps from forward for backward."""
@@ -794,6 +856,10 @@ class Replay:
 
     def forward(self) -> None:
         sh, tl = self.sh, self.tl
+        # last step's gradients (all of them: every parameter trains), alive until zero_grad
+        tl.alloc(Tensor("grads", (parameter_count(sh),), sh.param, "", grad=True), "gradients")
+        if self.accumulating:  # this micro-batch's input and targets, loaded during the step (the first's before it)
+            tl.alloc(Tensor("batch", (2, sh.batch, sh.seq), "int64", ""), "batch")
         tl.where = "forward: embedding"
         self.run(embed_forward(sh), "forward", lambda t: t.saved)
         for seg in self.plan.segments:
@@ -803,6 +869,8 @@ class Replay:
         tl.where = "forward: head and loss"
         self.run(head_forward(sh), "forward", lambda t: t.saved)
         tl.autocast_exit()
+        if not self.accumulating:
+            tl.free("grads")  # zero_grad(set_to_none=True), between training_step and backward
         self.per_block = [tl.bytes_of(i) for i in range(sh.n_layer)]
         self.kept_total = tl.bytes_of()
         self.host_bytes = sum(t.nbytes for kept in self.offloaded.values() for t in kept.values())
@@ -835,7 +903,7 @@ class Replay:
 
                 self.run(block_backward(sh, i), "backward", on_recompute_point=at_point)
                 # whatever of block i is still here dies with its graph nodes (e.g. a SAC cache's unreplayed tail)
-                for name in [n for n, e in tl.live.items() if e.block == i]:
+                for name in [n for n, e in tl.live.items() if e.block == i and not e.tensor.grad]:
                     tl.free(name)
         tl.where = "backward: embedding"
         self.run(embed_backward(sh), "backward")
@@ -857,9 +925,11 @@ class Replay:
             self.tl.free(name)
 
 
-def simulate(sh: Shapes, plan: Plan, save_ops: Iterable[str] = (), min_bytes: int = 1 << 16) -> Replay:
+def simulate(
+    sh: Shapes, plan: Plan, save_ops: Iterable[str] = (), min_bytes: int = 1 << 16, accumulating: bool = False
+) -> Replay:
     """Replay one micro-batch's forward and backward; the Replay holds the timeline, per-block bytes and FLOPs."""
-    r = Replay(sh, plan, save_ops, min_bytes)
+    r = Replay(sh, plan, save_ops, min_bytes, accumulating)
     r.forward()
     r.backward()
     return r
@@ -898,6 +968,11 @@ def parameter_count(sh: Shapes) -> int:
     return V * C + sh.block_size * C + L * (2 * ln + linears) + ln
 
 
+def buffer_bytes(sh: Shapes) -> int:
+    """The model's buffers: each attention's causal mask, block_size² bools (registered for sdpa too)."""
+    return sh.n_layer * sh.block_size**2
+
+
 def _param_groups(sh: Shapes) -> tuple[list[int], list[int]]:
     """Element counts of trainer.module.param_groups' two AdamW groups, in model.parameters() order: the decayed
     matmul weights, and the rest (embeddings, LayerNorms, biases)."""
@@ -924,13 +999,19 @@ class Estimate:
     """One configuration under one policy, on one device. FLOPs are per optimizer step (× accum micro-batches).
 
     `activation_bytes` is what the live-tensor tracker reports as the activation peak of one micro-batch
-    (`peak_bytes_excluding` the parameter gradients): activations, recompute, gradients in flight, logits/loss,
-    autocast weight copies and the tied weight's buffered gradient, at the moment they peak together.
-    `components` breaks that moment down and adds parameters, gradients, AdamW state and what AdamW.step() allocates;
-    `peak_bytes` = parameters + gradients + AdamW state + the larger of the activation peak (its buffered gradient
-    counted once, with the gradients) and the optimizer step's temporaries. With accum > 1 every .grad is live
-    throughout, so that is the step's peak; with accum = 1 it is an upper bound by at most the gradients not yet
-    written when activations peak.
+    (`peak_bytes_excluding` the parameter gradients; train.py's memory/activation_peak_mib): activations,
+    recompute, gradients in flight, logits/loss, autocast weight copies and the tied weight's buffered gradient, at
+    the moment they peak together.
+
+    `peak_bytes` is the whole optimizer step's peak as train.py reports it (memory/peak_total_mib: the tracker with
+    the training state adopted, in steady state): parameters + buffers + AdamW state, plus the largest of
+    * forward + backward replayed in Lightning's order: the forward with last step's gradients alive, zero_grad,
+      then the backward creating each .grad where its gradient is made (with accumulation, the later
+      micro-batches with every .grad alive);
+    * the optimizer step: every gradient and AdamW.step()'s temporaries (clipping makes only scalars).
+    `components` breaks the activation peak down, gives the resident state, the optimizer temporaries, and the
+    step peak's gradients (`step_peak_gradients`) and other in-step bytes (`step_peak_in_flight`);
+    `step_peak_at` says where the step peaks. The first step peaks lower (no gradients or AdamW state yet).
     """
 
     policy: str
@@ -946,8 +1027,10 @@ class Estimate:
     bwd_flops: int
     recompute_flops: int
     peak_at: str  # where in the step the activation peak happens
+    step_peak_at: str = ""  # where the whole step's peak (peak_bytes) happens
     host_bytes: int = 0  # pinned host memory the offload policy fills (CUDA)
     micro_batches: int = 1
+    autocast_cache: bool = False  # modelled with autocast's weight cache on (a bare loop), not off (train.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -961,7 +1044,7 @@ class Estimate:
         return {**asdict(self), "flops": self.flops}
 
 
-def shapes_of(config: Config, device: str = "cpu") -> tuple[Shapes, list[str]]:
+def shapes_of(config: Config, device: str = "cpu", autocast_cache: bool = False) -> tuple[Shapes, list[str]]:
     """The Shapes of a validated config, and the assumption made when the tokenizer decides the vocabulary."""
     notes = []
     m = config.model
@@ -989,6 +1072,7 @@ def shapes_of(config: Config, device: str = "cpu") -> tuple[Shapes, list[str]]:
         attention=m.attention,
         precision=config.precision,
         device=device,
+        autocast_cache=autocast_cache,
     )
     return sh, notes
 
@@ -1019,24 +1103,32 @@ def _quiet_policy_notices() -> Iterator[None]:
         policies._said.intersection_update(said)  # a later real run still gets its notice
 
 
-def estimate_policy(config: Config, policy: Policy, device: str = "cpu", plan: Plan | None = None) -> Estimate:
+def estimate_policy(
+    config: Config, policy: Policy, device: str = "cpu", plan: Plan | None = None, autocast_cache: bool = False
+) -> Estimate:
     """`config` under `policy` (which may differ from config.policy) on `device` ("cpu" | "cuda").
 
     `plan` replaces the policy's own plan: e.g. the per-block plan a planner chose, to be estimated as it would run.
+    `autocast_cache`: model autocast with its weight cache on (a bare loop's default) instead of off (train.py's).
     """
-    sh, notes = shapes_of(config, device)
+    sh, notes = shapes_of(config, device, autocast_cache)
     with _quiet_policy_notices():
         policy.check(sh.n_layer, sh.attention)
     if plan is None:
         plan = policy.plan(_plan_model(sh.n_layer, sh.attention))
-    replay = simulate(sh, plan, getattr(policy.cfg, "save_ops", ()), getattr(policy.cfg, "min_bytes", 1 << 16))
+    args = (sh, plan, getattr(policy.cfg, "save_ops", ()), getattr(policy.cfg, "min_bytes", 1 << 16))
+    replay = simulate(*args)  # one micro-batch: the first of the step
     tl = replay.tl
+    # With accumulation, the later micro-batches run with every gradient alive: their step peak may be higher
+    # (their activation peak and FLOPs are the first one's).
+    later = simulate(*args, accumulating=True).tl if config.accum > 1 else tl
 
     n_params = parameter_count(sh)
     pbytes = DTYPE_BYTES[sh.param]
     k = tl.peak_kinds
     components = {
         "parameters": n_params * pbytes,
+        "buffers": buffer_bytes(sh),
         "gradients": n_params * pbytes,
         # AdamW's exp_avg and exp_avg_sq: fp32 next to fp32 master weights; in the parameters' dtype for bf16-true
         "optimizer_state": 2 * n_params * pbytes,
@@ -1048,9 +1140,18 @@ def estimate_policy(config: Config, policy: Policy, device: str = "cpu", plan: P
         "tied_grad_buffer": k["tied_grad"],
         "optimizer_step_transient": optimizer_step_bytes(sh),
     }
-    state = components["parameters"] + components["gradients"] + components["optimizer_state"]
-    # the tied weight's buffered gradient is that weight's .grad, already counted in `gradients`
-    peak = state + max(tl.peak - k["tied_grad"], components["optimizer_step_transient"])
+    # The step's peak: the largest moment of forward + backward (gradients included), or the optimizer step (clip,
+    # then AdamW.step()), where every gradient is alive beside AdamW's temporaries and no activation is.
+    step = max(tl, later, key=lambda t: t.step_peak)
+    candidates = [
+        (step.step_peak_kinds["gradients"], step.step_peak - step.step_peak_kinds["gradients"], step.step_peak_where),
+        (components["gradients"], components["optimizer_step_transient"], "optimizer step (clip + AdamW.step())"),
+    ]
+    grads, in_flight, where = max(candidates, key=lambda c: c[0] + c[1])
+    components["step_peak_gradients"] = grads
+    components["step_peak_in_flight"] = in_flight
+    resident = components["parameters"] + components["buffers"] + components["optimizer_state"]
+    peak = resident + grads + in_flight
     components["total"] = peak
 
     name = policy.cfg.name
@@ -1063,6 +1164,20 @@ def estimate_policy(config: Config, policy: Policy, device: str = "cpu", plan: P
         )
     if "offload" in treatments and device == "cpu":
         notes.append("offload on CPU moves nothing: activations already live in host memory")
+    if sh.autocast and autocast_cache:
+        notes.append(
+            "autocast weight cache on (--autocast-cache): a bare loop's default torch.autocast, which holds every "
+            "weight cast to the end of the forward; train.py runs with it off"
+        )
+    elif sh.autocast:
+        notes.append(
+            "autocast weight cache off, as train.py runs it (Lightning's precision plugin: cache_enabled=False); "
+            "--autocast-cache models a bare loop's default torch.autocast"
+        )
+    notes.append(
+        "the total is a steady-state step as train.py runs it: forward with last step's gradients alive, zero_grad, "
+        "backward, clip, AdamW.step() (the first step peaks lower)"
+    )
     accum = config.accum
     return Estimate(
         policy=name,
@@ -1078,15 +1193,17 @@ def estimate_policy(config: Config, policy: Policy, device: str = "cpu", plan: P
         bwd_flops=tl.flops["backward"] * accum,
         recompute_flops=tl.flops["recompute"] * accum,
         peak_at=tl.peak_where,
+        step_peak_at=where,
         host_bytes=replay.host_bytes,
         micro_batches=accum,
+        autocast_cache=autocast_cache,
         notes=notes,
     )
 
 
-def estimate(config: Config, device: str = "cpu") -> Estimate:
+def estimate(config: Config, device: str = "cpu", autocast_cache: bool = False) -> Estimate:
     """The configured policy (config.policy) on `device`."""
-    return estimate_policy(config, build_policy(config.policy), device)
+    return estimate_policy(config, build_policy(config.policy), device, autocast_cache=autocast_cache)
 
 
 def default_policy(name: str) -> Policy:
@@ -1096,7 +1213,7 @@ def default_policy(name: str) -> Policy:
 
 
 def estimate_all(
-    config: Config, device: str = "cpu", plans: dict[str, Plan] | None = None
+    config: Config, device: str = "cpu", plans: dict[str, Plan] | None = None, autocast_cache: bool = False
 ) -> dict[str, Estimate | str]:
     """Every registered policy: the configured one with its parameters, the others with their conf defaults
     (`plans` may give a policy's plan, e.g. the one a planner chose for `auto`).
@@ -1108,7 +1225,7 @@ def estimate_all(
     for name in POLICIES:
         try:
             policy = configured if name == configured.cfg.name else default_policy(name)
-            out[name] = estimate_policy(config, policy, device, (plans or {}).get(name))
+            out[name] = estimate_policy(config, policy, device, (plans or {}).get(name), autocast_cache)
         except PolicyError as e:
             out[name] = str(e)
     return out
@@ -1163,7 +1280,7 @@ def _short(text: str, width: int = 40) -> str:
 
 def render(config: Config, est: Estimate, table: dict[str, Estimate | str], budget: int | None) -> str:
     """The report: the configured policy's breakdown, its FLOPs, every policy side by side, and the verdict."""
-    sh, _ = shapes_of(config, est.device)
+    sh, _ = shapes_of(config, est.device, est.autocast_cache)
     none = table.get("none")
     base = none.flops if isinstance(none, Estimate) else est.fwd_flops + est.bwd_flops
     lines = [
@@ -1179,17 +1296,23 @@ def render(config: Config, est: Estimate, table: dict[str, Estimate | str], budg
     per_text = f"{len(per)} × {_mib(per[0])}" if len(set(per)) == 1 else " ".join(_mib(x) for x in per)
     rows = [
         (f"parameters ({sh.param})", c["parameters"], ""),
-        (f"gradients ({sh.param})", c["gradients"], ""),
+        ("buffers (causal masks, bool)", c["buffers"], ""),
         ("AdamW state (exp_avg, exp_avg_sq)", c["optimizer_state"], ""),
+        (f"gradients ({sh.param})", c["gradients"], "(last step's in forward; made one by one in backward)"),
         ("activation peak of one micro-batch", est.activation_bytes, f"at {est.peak_at}; of which:"),
         ("  activations (kept, or in use in forward)", c["activations"], ""),
         ("  recompute transient", c["recompute_transient"], ""),
         ("  gradients in flight", c["backward_working_set"], ""),
         ("  logits / loss", c["logits_loss"], ""),
         ("  autocast weight copies", c["autocast_weight_copies"], ""),
-        ("  tied wte/lm_head grad buffer", c["tied_grad_buffer"], "(counted once, with the gradients)"),
-        ("AdamW.step() temporaries", c["optimizer_step_transient"], "(after backward: instead of activations)"),
-        ("total (peak)", est.peak_bytes, ""),
+        ("  tied wte/lm_head grad buffer", c["tied_grad_buffer"], "(lm_head's part; wte's .grad: the sum, made last)"),
+        ("AdamW.step() temporaries", c["optimizer_step_transient"], "(after backward, beside every gradient)"),
+        (
+            "total (peak of the whole step)",
+            est.peak_bytes,
+            f"at {est.step_peak_at} (the state above, {_mib(c['step_peak_gradients'])} of gradients, "
+            f"{_mib(c['step_peak_in_flight'])} in flight)",
+        ),
     ]
     lines += ["", f"memory, policy={est.policy} (plan {est.plan}), MiB:"]
     lines += [f"  {label:<44}{_mib(v):>12}  {note}".rstrip() for label, v, note in rows]
@@ -1250,7 +1373,7 @@ def compose_config(overrides: Sequence[str]) -> Config:
 
 
 def _to_json(config: Config, est: Estimate, table: dict[str, Estimate | str], budget: int | None) -> dict[str, Any]:
-    sh, _ = shapes_of(config, est.device)
+    sh, _ = shapes_of(config, est.device, est.autocast_cache)
     return {
         "config": {
             "model": config.model.name,
@@ -1287,6 +1410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", help="device memory to fit in: 40GB (10⁹ bytes), 40GiB, 40000MiB")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the estimate here as JSON")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if trainer.accelerator=gpu, else cpu")
+    parser.add_argument(
+        "--autocast-cache",
+        action="store_true",
+        help="model torch.autocast with its weight cache on (a bare loop's default); train.py runs it off",
+    )
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
     from trainer.schema import describe_user_error
@@ -1308,8 +1436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line, exit 2
             plan, preface = planner_plan(config)
             plans = {"auto": plan} if plan is not None else {}
-        est = estimate_policy(config, policy, device, plans.get(policy.cfg.name))  # a bad policy fails here
-        table = estimate_all(config, device, plans)
+        cache = args.autocast_cache
+        est = estimate_policy(config, policy, device, plans.get(policy.cfg.name), cache)  # a bad policy fails here
+        table = estimate_all(config, device, plans, cache)
     except Exception as e:
         line = describe_user_error(e)
         if line is None:
