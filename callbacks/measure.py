@@ -45,7 +45,7 @@ class MeasureCallback(L.Callback):
         self.records: list[dict[str, float]] = []  # one per optimizer step
         self._step_start: float | None = None
         self._step_at_start = 0
-        self._micro_losses: list[float] = []
+        self._micro_losses: list[torch.Tensor] = []
         self._tokens = 0
         self._tracker: LiveTensorTracker | None = None
         self._activation_bytes: int | None = None
@@ -92,8 +92,9 @@ class MeasureCallback(L.Callback):
         if trainer.global_step != self._step_at_start:
             self._stop_tracker()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        # Lightning divides the loss by accumulate_grad_batches before returning it; undo that.
-        self._micro_losses.append(float(loss) * trainer.accumulate_grad_batches)
+        # Lightning divides the loss by accumulate_grad_batches before returning it; undo that. Kept as a tensor:
+        # reading it now would make the host wait for the device after every micro-batch.
+        self._micro_losses.append(loss.detach() * trainer.accumulate_grad_batches)
         if trainer.global_step == self._step_at_start:
             return  # still accumulating
         self._sync()
@@ -102,7 +103,7 @@ class MeasureCallback(L.Callback):
         self._step_start = None
         step = trainer.global_step
         record: dict[str, float] = {
-            "train/loss": statistics.fmean(self._micro_losses),
+            "train/loss": float(torch.stack(self._micro_losses).float().mean()),
             "train/lr": trainer.optimizers[0].param_groups[0]["lr"],
             "time/step_ms": seconds * 1e3,
             "throughput/tokens_per_s": self._tokens / seconds,

@@ -47,11 +47,9 @@ from torch.utils._python_dispatch import (
 )
 
 from callbacks.measure import training_state
-from trainer.memory import BACKWARD, FORWARD, MIB, LiveTensorTracker, TimelinePoint
+from trainer.memory import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
 
 log = logging.getLogger(__name__)
-
-OPTIMIZER = "optimizer"  # clipping, the optimizer and scheduler steps: after backward, outside autograd
 
 
 def is_cuda_oom(e: BaseException) -> bool:
@@ -193,7 +191,7 @@ class MemorySnapshot(L.Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
         png = path.with_suffix(".png")
-        plot_timeline(points, tracker.peak_bytes, self._baseline, png, title=f"step {self.at_step}")
+        plot_timeline(points, tracker.peak_bytes, png, title=f"step {self.at_step}", baseline_bytes=self._baseline)
         self.written += [path, png]
         log.info(f"memory timeline of step {self.at_step}: {path} and {png.name}")
 
@@ -234,34 +232,3 @@ def _exit_from_beneath(tracker: LiveTensorTracker) -> None:
         while _get_current_dispatch_mode() is not tracker:
             lifted.enter_context(_pop_mode_temporarily())
         tracker.__exit__(None, None, None)
-
-
-def plot_timeline(points: list[TimelinePoint], peak_bytes: int, baseline_bytes: int, path: Path, title: str) -> None:
-    """Live MiB against op index; backward and optimizer ops shaded. Figure + Agg: no pyplot global state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot([p.op_index for p in points], [p.live_bytes / MIB for p in points], lw=1.0, color="tab:blue")
-    colours = {BACKWARD: "tab:orange", OPTIMIZER: "tab:green"}
-    i = 0
-    while i < len(points):  # one shaded span per run of backward (or optimizer) ops
-        j = i
-        while j + 1 < len(points) and points[j + 1].phase == points[i].phase:
-            j += 1
-        if points[i].phase in colours:
-            ax.axvspan(points[i].op_index, points[j].op_index, color=colours[points[i].phase], alpha=0.15, lw=0)
-        i = j + 1
-    ax.axhline(peak_bytes / MIB, color="tab:red", ls="--", lw=0.8, label=f"peak {peak_bytes / MIB:.2f} MiB")
-    ax.axhline(
-        baseline_bytes / MIB, color="grey", ls=":", lw=0.8, label=f"training state {baseline_bytes / MIB:.2f} MiB"
-    )
-    ax.set_title(f"live tensor memory, {title} (shaded: backward orange, optimizer green)")
-    ax.set_xlabel("op index")
-    ax.set_ylabel("MiB")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)

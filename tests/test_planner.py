@@ -34,15 +34,6 @@ from trainer.policies import POLICIES, PolicyError, apply_policy, build_policy
 from trainer.run import train
 from trainer.schema import validate
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------------------------------
 # A 4-block model, profiled once.
 # ----------------------------------------------------------------------------------------------------

@@ -65,16 +65,6 @@ def _name(case: str) -> str:
     return cfg if isinstance(cfg, str) else cfg["name"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    # Ops here take microseconds: a second intra-op thread only adds synchronisation, and on a shared 2-core
-    # VM its spin-waits made this file 10× slower. Results are the same bits either way (same count for all).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_notices() -> None:
     # say_once remembers what it said per process; every test starts with a clean slate.

@@ -27,6 +27,7 @@ MIB = 2**20
 
 FORWARD = "forward"
 BACKWARD = "backward"
+OPTIMIZER = "optimizer"  # clipping and the optimizer step: after backward, outside autograd (set by callers)
 
 
 class TimelinePoint(NamedTuple):
@@ -269,7 +270,7 @@ class LiveTensorTracker(TorchDispatchMode):
         path_json.parent.mkdir(parents=True, exist_ok=True)
         path_json.write_text(json.dumps(self.timeline_json()))
         if path_png is not None:
-            _plot_timeline(self.timeline, self.peak_bytes, Path(path_png))
+            plot_timeline(self.timeline, self.peak_bytes, path_png)
 
 
 def _storages_of(tree: Any) -> set[int]:
@@ -283,31 +284,47 @@ def _storages_of(tree: Any) -> set[int]:
     return found
 
 
-def _plot_timeline(points: list[TimelinePoint], peak_bytes: int, path: Path) -> None:
-    # Figure + Agg canvas rather than pyplot: no global backend switch and no shared pyplot state, so a
-    # plot written from a training callback cannot disturb anyone else's figures.
+def plot_timeline(
+    points: list[TimelinePoint],
+    peak_bytes: int,
+    path: str | Path,
+    title: str = "",
+    baseline_bytes: int | None = None,
+) -> None:
+    """Live MiB against op index; each run of non-forward ops (backward, optimizer) shaded in its colour.
+
+    Figure + Agg canvas rather than pyplot: no global backend switch and no shared pyplot state, so a plot written
+    from a training callback cannot disturb anyone else's figures.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    xs = [p.op_index for p in points]
-    ys = [p.live_bytes / MIB for p in points]
-    ax.plot(xs, ys, lw=1.0, color="tab:blue")
-    start = None
-    for i, p in enumerate(points):
-        if p.phase == BACKWARD and start is None:
-            start = p.op_index
-        ending = start is not None and (i + 1 == len(points) or points[i + 1].phase != BACKWARD)
-        if ending:
-            ax.axvspan(start, p.op_index, color="tab:orange", alpha=0.15, lw=0)
-            start = None
+    ax.plot([p.op_index for p in points], [p.live_bytes / MIB for p in points], lw=1.0, color="tab:blue")
+    colours = {BACKWARD: "tab:orange", OPTIMIZER: "tab:green"}
+    i = 0
+    while i < len(points):  # one shaded span per run of same-phase ops
+        j = i
+        while j + 1 < len(points) and points[j + 1].phase == points[i].phase:
+            j += 1
+        if points[i].phase in colours:
+            ax.axvspan(points[i].op_index, points[j].op_index, color=colours[points[i].phase], alpha=0.15, lw=0)
+        i = j + 1
     ax.axhline(peak_bytes / MIB, color="tab:red", ls="--", lw=0.8, label=f"peak {peak_bytes / MIB:.2f} MiB")
-    ax.set_xlabel("op index (shaded: backward)")
-    ax.set_ylabel("live tensor memory (MiB)")
+    if baseline_bytes is not None:
+        label = f"training state {baseline_bytes / MIB:.2f} MiB"
+        ax.axhline(baseline_bytes / MIB, color="grey", ls=":", lw=0.8, label=label)
+    shaded = " and ".join(
+        f"{ph} {c.removeprefix('tab:')}" for ph, c in colours.items() if any(p.phase == ph for p in points)
+    )
+    ax.set_title(f"live tensor memory{', ' + title if title else ''}" + (f" (shaded: {shaded})" if shaded else ""))
+    ax.set_xlabel("op index")
+    ax.set_ylabel("MiB")
     ax.legend(loc="upper left")
     fig.tight_layout()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 

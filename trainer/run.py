@@ -72,8 +72,10 @@ def one_line(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def preflight(cfg: Config, run_dir: Path) -> None:
-    """Refuse what the device, the folder or the checkpoint cannot do, before any data is read."""
+def preflight(cfg: Config, run_dir: Path) -> Path | None:
+    """Refuse what the device, the folder or the checkpoint cannot do, before any data is read.
+
+    Returns the checkpoint to resume from, already proven loadable."""
     cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
     if cfg.precision == "16-mixed" and not cuda:
         raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=bf16-mixed or 32-true on CPU")
@@ -84,8 +86,7 @@ def preflight(cfg: Config, run_dir: Path) -> None:
         )
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
-    if cfg.ckpt_path is not None:
-        checkpoint_file(cfg.ckpt_path, run_dir)
+    return checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
 
 
 def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
@@ -184,7 +185,7 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
         config = cfg if isinstance(cfg, Config) else validate(cfg)
         policy = build_policy(config.policy)
         policy.check(config.model.n_layer, config.model.attention)
-        preflight(config, run_dir)
+        resume_from = preflight(config, run_dir)
         L.seed_everything(config.seed, workers=True, verbose=False)
         data = TextDataModule(config.data, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
         data.prepare_data()
@@ -199,7 +200,7 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
     except USER_ERRORS:
         discard_run_dir(run_dir)
         raise
-    return Run(config, run_dir, data, module, callbacks or []).fit()
+    return Run(config, run_dir, data, module, callbacks or []).fit(resume_from)
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -265,7 +266,7 @@ class Run:
             default_root_dir=str(run_dir),
         )
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, resume_from: Path | None = None) -> dict[str, Any]:
         config, module, data = self.config, self.module, self.data
         log.info(
             "policy=%s plan=%s | %s params | %d train / %d val tokens",
@@ -275,7 +276,7 @@ class Run:
             data.train_tokens,
             data.val_tokens,
         )
-        ckpt = str(checkpoint_file(config.ckpt_path, self.run_dir)) if config.ckpt_path else None
+        ckpt = str(resume_from) if resume_from else None
         try:
             with host_memory_limit(config.trainer.host_memory_limit_mib):
                 self.trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True if ckpt else None)
