@@ -1,6 +1,6 @@
 """The measuring callback: per optimizer step, the figures a team compares policies by.
 
-Logged to TensorBoard at each optimizer step (`global_step`):
+Logged to TensorBoard at each optimizer step (`global_step`; tag names in trainer/metrics.py):
   train/loss                     mean loss over the step's micro-batches
   train/lr                       learning rate of the first param group
   time/step_ms                   wall time of the whole optimizer step (all micro-batches), CUDA-synchronised
@@ -11,9 +11,13 @@ Logged to TensorBoard at each optimizer step (`global_step`):
                                  transients: the allocator's peak on CUDA, the tracker's on tracked CPU steps
   memory/peak_allocated_mib, memory/peak_reserved_mib, memory/alloc_retries   (CUDA; peaks reset every step)
 
-Why not Lightning's ThroughputMonitor: it times single batches, not optimizer steps made of `accum` micro-batches,
-and fixes its own tag names; the arithmetic here is one division. DeviceStatsMonitor is added beside this
-callback when `measure.device_stats=true`.
+The memory figures are taken by a `trainer.step.StepMeter`, the same object the estimator and the benchmarks use
+over a bare step, so "estimate = run" compares like with like.
+
+Why not Lightning's ThroughputMonitor: the summary's step time is a median over the steps after warm-up that leaves
+out the steps the live-tensor tracker ran on (it costs Python work per op, so those steps are slower), and
+ThroughputMonitor's rolling averages cannot leave steps out. DeviceStatsMonitor is added beside this callback when
+`measure.device_stats=true`.
 """
 
 from __future__ import annotations
@@ -25,38 +29,45 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainer.memory import MIB, LiveTensorTracker, cuda_memory_counters, reset_cuda_peaks
-
-
-def training_state(pl_module: L.LightningModule, trainer: L.Trainer) -> list[torch.Tensor]:
-    """Every tensor a training step holds before it starts: parameters, buffers, gradients, optimizer state."""
-    tensors: list[torch.Tensor] = [*pl_module.parameters(), *pl_module.buffers()]
-    tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
-    for opt in trainer.optimizers:
-        for state in opt.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
+from trainer import metrics as M
+from trainer.memory import MIB, cuda_memory_counters, reset_cuda_peaks
+from trainer.step import StepMeter
 
 
 class MeasureCallback(L.Callback):
-    def __init__(self, warmup_steps: int = 3, activation_every_n_steps: int = 25) -> None:
+    def __init__(self, warmup_steps: int = 3, activation_every_n_steps: int = 25, max_steps: int | None = None) -> None:
         self.warmup_steps = warmup_steps
         self.activation_every_n_steps = activation_every_n_steps
+        self.max_steps = max_steps
         self.records: list[dict[str, float]] = []  # one per optimizer step
         self._step_start: float | None = None
         self._step_at_start = 0
         self._micro_losses: list[torch.Tensor] = []
         self._tokens = 0
-        self._tracker: LiveTensorTracker | None = None
+        self._meter: StepMeter | None = None
+        self._window_closed = False
         self._activation_bytes: int | None = None
         self._total_bytes: int | None = None
         self._on_cuda = False
 
     # --- which steps are tracked --------------------------------------------------------------------------------
+    @property
+    def first_tracked_step(self) -> int:
+        """The first step after warm-up; in a run shorter than the warm-up, its last step (so smoke runs measure)."""
+        if self.max_steps is not None:
+            return min(self.warmup_steps, self.max_steps - 1)
+        return self.warmup_steps
+
+    @property
+    def short_run(self) -> bool:
+        """Every step is a warm-up step: the time figures include them."""
+        return self.max_steps is not None and self.max_steps <= self.warmup_steps
+
     def _tracks(self, step: int) -> bool:
         """Track the first step after warm-up (so short runs get a figure), then every N steps."""
         n = self.activation_every_n_steps
-        return n > 0 and (step == self.warmup_steps or (step > self.warmup_steps and step % n == 0))
+        first = self.first_tracked_step
+        return n > 0 and (step == first or (step > first and step % n == 0))
 
     # --- hooks --------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -72,12 +83,12 @@ class MeasureCallback(L.Callback):
             self._step_at_start = trainer.global_step
             self._micro_losses, self._tokens = [], 0
             self._activation_bytes = self._total_bytes = None
+            self._window_closed = False
             if self._tracks(trainer.global_step):
-                self._tracker = LiveTensorTracker(device=pl_module.device.type)
-                self._tracker.__enter__()
+                self._meter = StepMeter(device_type=pl_module.device.type)
                 # What the step holds before it starts (weights, optimizer state, last step's gradients until
                 # zero_grad frees them), so the tracker's peak is the whole step's, not only what it adds.
-                self._tracker.adopt(training_state(pl_module, trainer))
+                self._meter.begin(pl_module, trainer.optimizers)
         self._tokens += batch[0].numel()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -90,7 +101,7 @@ class MeasureCallback(L.Callback):
         # step's other micro-batches and the update, for the whole step's total.
         self._close_activation_window(pl_module)
         if trainer.global_step != self._step_at_start:
-            self._stop_tracker()
+            self._stop_meter(pl_module)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         # Lightning divides the loss by accumulate_grad_batches before returning it; undo that. Kept as a tensor:
         # reading it now would make the host wait for the device after every micro-batch.
@@ -103,22 +114,23 @@ class MeasureCallback(L.Callback):
         self._step_start = None
         step = trainer.global_step
         record: dict[str, float] = {
-            "train/loss": float(torch.stack(self._micro_losses).float().mean()),
-            "train/lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "time/step_ms": seconds * 1e3,
-            "throughput/tokens_per_s": self._tokens / seconds,
+            M.TRAIN_LOSS: float(torch.stack(self._micro_losses).float().mean()),
+            M.TRAIN_LR: trainer.optimizers[0].param_groups[0]["lr"],
+            M.STEP_MS: seconds * 1e3,
+            M.TOKENS_PER_S: self._tokens / seconds,
         }
         if self._activation_bytes is not None:
-            record["memory/activation_peak_mib"] = self._activation_bytes / MIB
+            record[M.ACTIVATION_PEAK] = self._activation_bytes / MIB
         cuda = cuda_memory_counters(pl_module.device) if self._on_cuda else {}
-        for key in ("peak_allocated_mib", "peak_reserved_mib", "alloc_retries"):
+        for tag in M.CUDA_TAGS:
+            key = tag.split("/", 1)[1]
             if key in cuda:
-                record[f"memory/{key}"] = cuda[key]
+                record[tag] = cuda[key]
         # The whole step's peak: the allocator's on CUDA (every step), the tracker's elsewhere (tracked steps).
-        if "peak_allocated_mib" in cuda:
-            record["memory/peak_total_mib"] = cuda["peak_allocated_mib"]
+        if M.PEAK_ALLOCATED in record:
+            record[M.PEAK_TOTAL] = record[M.PEAK_ALLOCATED]
         elif self._total_bytes is not None:
-            record["memory/peak_total_mib"] = self._total_bytes / MIB
+            record[M.PEAK_TOTAL] = self._total_bytes / MIB
         # Straight to the loggers at the optimizer step: Lightning's self.log would also fire per micro-batch.
         for logger in trainer.loggers:
             logger.log_metrics(record, step=step)
@@ -126,46 +138,49 @@ class MeasureCallback(L.Callback):
         record["tracked"] = float(self._activation_bytes is not None)
         self.records.append(record)
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._meter is not None:  # leave no dispatch mode pushed behind a failed step
+            meter, self._meter = self._meter, None
+            meter.tracker.__exit__(None, None, None)
+
     # --- helpers ------------------------------------------------------------------------------------------------
     def _close_activation_window(self, pl_module: L.LightningModule) -> None:
-        if self._tracker is not None and self._activation_bytes is None:
-            grads = [p.grad for p in pl_module.parameters()]
-            self._activation_bytes = self._tracker.peak_bytes_excluding(grads, until=self._tracker.mark())
+        if self._meter is not None and not self._window_closed:
+            self._meter.close_window(pl_module)
+            self._window_closed = True
 
-    def _stop_tracker(self) -> None:
-        if self._tracker is None:
+    def _stop_meter(self, pl_module: L.LightningModule) -> None:
+        if self._meter is None:
             return
-        tracker, self._tracker = self._tracker, None
-        tracker.__exit__(None, None, None)
-        self._total_bytes = tracker.peak_bytes
+        meter, self._meter = self._meter, None
+        figures = meter.end(pl_module)
+        self._activation_bytes, self._total_bytes = figures.activation_bytes, figures.total_bytes
 
     def _sync(self) -> None:
         if self._on_cuda:
             torch.cuda.synchronize()
 
     def summary(self) -> dict[str, Any]:
-        """Medians over the steps after warm-up; tracked steps are left out of the time figures."""
+        """Medians over the steps after warm-up; tracked steps are left out of the time figures. A run no longer
+        than its warm-up reports over all its steps (`time_includes_warmup`)."""
         steady = [r for r in self.records if r["step"] > self.warmup_steps] or self.records
         timed = [r for r in steady if not r["tracked"]] or steady
 
-        def median(key: str, rows: list[dict[str, float]]) -> float | None:
-            values = [r[key] for r in rows if key in r]
+        def median(tag: str, rows: list[dict[str, float]]) -> float | None:
+            values = [r[tag] for r in rows if tag in r]
             return statistics.median(values) if values else None
 
-        activation = [r["memory/activation_peak_mib"] for r in self.records if "memory/activation_peak_mib" in r]
+        def peak(tag: str, rows: list[dict[str, float]]) -> float | None:
+            return max((r[tag] for r in rows if tag in r), default=None)
+
         return {
-            "steps": len(self.records),
-            "median_step_ms": median("time/step_ms", timed),
-            "tokens_per_s": median("throughput/tokens_per_s", timed),
-            "peak_allocated_mib": max(
-                (r["memory/peak_allocated_mib"] for r in steady if "memory/peak_allocated_mib" in r), default=None
-            ),
-            "peak_reserved_mib": max(
-                (r["memory/peak_reserved_mib"] for r in steady if "memory/peak_reserved_mib" in r), default=None
-            ),
-            "activation_peak_mib": max(activation) if activation else None,
-            "peak_total_mib": max(
-                (r["memory/peak_total_mib"] for r in steady if "memory/peak_total_mib" in r), default=None
-            ),
-            "final_train_loss": self.records[-1]["train/loss"] if self.records else None,
+            M.STEPS: len(self.records),
+            M.MEDIAN_STEP_MS: median(M.STEP_MS, timed),
+            M.TOKENS_PER_S_KEY: median(M.TOKENS_PER_S, timed),
+            "time_includes_warmup": bool(self.records) and not any(r["step"] > self.warmup_steps for r in self.records),
+            M.PEAK_ALLOCATED_KEY: peak(M.PEAK_ALLOCATED, steady),
+            M.PEAK_RESERVED_KEY: peak(M.PEAK_RESERVED, steady),
+            M.ACTIVATION_PEAK_KEY: peak(M.ACTIVATION_PEAK, self.records),
+            M.PEAK_TOTAL_KEY: peak(M.PEAK_TOTAL, steady),
+            M.FINAL_TRAIN_LOSS: self.records[-1][M.TRAIN_LOSS] if self.records else None,
         }

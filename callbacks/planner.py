@@ -27,11 +27,13 @@ import torch
 
 from callbacks.measure import MeasureCallback
 from trainer.memory import MIB
+from trainer.loss import LossConfig
 from trainer.planner import (
     PeakModel,
     PlanResult,
     default_optimizer,
     frugal_result,
+    head_candidates,
     plan_model,
     solve_profile,
 )
@@ -76,6 +78,7 @@ class AutoPlanCallback(L.Callback):
             model,
             batch,
             policy.cfg,
+            loss_fns=head_candidates(pl_module, policy.cfg),
             precision=str(trainer.precision),
             accum=trainer.accumulate_grad_batches,
             make_optimizer=make_optimizer,
@@ -93,7 +96,15 @@ class AutoPlanCallback(L.Callback):
         self.first_plan = result.to_dict()
         policy.choose(result.treatments)
         apply_policy(model, policy)
+        self._use_loss(pl_module, result)
         self._explain(trainer, result, tag="policy/auto")
+
+    @staticmethod
+    def _use_loss(pl_module: L.LightningModule, result: PlanResult) -> None:
+        """Train with the loss head the plan was solved with (another one only when the configured does not fit)."""
+        current = pl_module.loss_config
+        if result.loss and result.loss != current.name:
+            pl_module.loss_config = LossConfig(result.loss, current.chunk_tokens, current.ignore_index)
 
     @staticmethod
     def _first_batch(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +120,10 @@ class AutoPlanCallback(L.Callback):
         """Timings differ per process; every rank runs rank 0's plan (predicted on its own profile)."""
         if trainer.world_size == 1:
             return result
-        chosen = trainer.strategy.broadcast(list(result.treatments), src=0)
-        if tuple(chosen) != result.treatments:
+        chosen, loss = trainer.strategy.broadcast((list(result.treatments), result.loss), src=0)
+        if loss != result.loss:
+            result.profile = result.profile.heads.get(loss, result.profile)
+        if tuple(chosen) != result.treatments or loss != result.loss:
             result.solution = PeakModel(result.profile).evaluate(chosen)
         return result
 

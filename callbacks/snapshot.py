@@ -46,8 +46,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from callbacks.measure import training_state
 from trainer.memory import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
+from trainer.step import training_state
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ class MemorySnapshot(L.Callback):
             return
         tracker = LiveTensorTracker(record_timeline=True, device=trainer.strategy.root_device.type)
         _enter_beneath_trackers(tracker)
-        self._baseline = tracker.adopt(training_state(pl_module, trainer))
+        state = training_state(pl_module, trainer.optimizers)
+        self._baseline = sum(tracker.adopt(tensors, label) for label, tensors in state.items())
         self._tracker = tracker
         self._optimizer_from = None
 

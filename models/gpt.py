@@ -1,9 +1,9 @@
-"""A GPT-style decoder in the nanoGPT mould.
+"""A GPT-2-style decoder in the nanoGPT mould.
 
 Plain PyTorch: no Lightning, no policies, no logging, so a bare training loop, the benchmark and the
-estimator can all use it. Activation-memory policies change how it runs from outside through two seams:
-`GPT.run_blocks` (how the stack of blocks is executed) and `CausalSelfAttention.core_attention` (the
-QKᵀ → softmax → dropout → ·V core). Neither seam owns a parameter, so a policy never changes `state_dict` keys.
+estimator can all use it. It meets the decoder contract of models/adapter.py: `layers` (called as
+`layer(x)`), `hidden_states(idx)` (embeddings → layers → final norm), `lm_head`, and the attention seam
+`CausalSelfAttention.core_attention` (the QKᵀ → softmax → dropout → ·V core that `selective` recomputes).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.1  # on: recompute must replay the same masks, which is what the tests check
     bias: bool = True  # GPT-2 has biases; they cost activation bytes the estimator must count
+    tie_embeddings: bool = True  # GPT-2 ties lm_head to the token embedding (saves vocab×d parameters)
     # "sdpa": fused F.scaled_dot_product_attention, which never keeps the T×T scores (it recomputes them in its
     # backward); "eager": explicit softmax(QKᵀ)V that stores them, the path selective recompute is for.
     attention: str = "eager"
@@ -124,7 +125,8 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: GPT-2 does, and it saves vocab×d parameters
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/√(2L) so the residual stream's variance stays put with depth.
         for name, p in self.named_parameters():
@@ -141,30 +143,29 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     @property
-    def blocks(self) -> nn.ModuleList:
+    def layers(self) -> nn.ModuleList:
         return self.transformer.h
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if exclude_embeddings else n
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        x = self.run_blocks(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        for layer in self.layers:
+            x = layer(x)
+        return self.transformer.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
-
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the block stack; policies replace this per instance to checkpoint or offload groups of blocks."""
-        for block in self.transformer.h:
-            x = block(x)
-        return x

@@ -26,20 +26,18 @@ import logging
 import os
 import random
 import shutil
-import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from models import hub
 from trainer.schema import DataConfig  # the `data` node of the config schema
 
 log = logging.getLogger(__name__)
@@ -49,7 +47,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 SOURCES = ("embedded", "local", "hub")
-TOKENIZERS = ("byte", "bpe")
+TOKENIZERS = ("byte", "bpe", "model")  # model: the Hugging Face model's own (model=hf)
 EOT = "<|endoftext|>"
 BYTE_VOCAB = 256
 BYTE_DOC_SEPARATOR = "\n\n"
@@ -58,8 +56,6 @@ BINARY_SNIFF_BYTES = 8192
 # Documents are cut into pieces of at most this many characters before tokenization, so one huge
 # local file still gets a moving progress bar and bounded per-batch memory.
 PIECE_CHARS = 1 << 18
-HUB_PROBE_TIMEOUT_S = 2.0
-_TRUE = {"1", "true", "yes", "on"}
 
 
 class DataError(ValueError):
@@ -187,61 +183,6 @@ def _local_docs(files: Sequence[Path]) -> list[str]:
     return [_read_text_file(f) for f in files]
 
 
-def _hub_offline_requested() -> bool:
-    import datasets
-
-    env = any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
-    return env or bool(datasets.config.HF_HUB_OFFLINE)
-
-
-@contextlib.contextmanager
-def _forced_offline() -> Iterator[None]:
-    """Offline mode for one call. The libraries read the env vars at import time, so their module
-    flags are switched too; setting only the env would be ignored by an already imported `datasets`."""
-    import datasets
-    import huggingface_hub.constants as hub_constants
-
-    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    saved_env = {n: os.environ.get(n) for n in names}
-    saved = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE)
-    for n in names:
-        os.environ[n] = "1"
-    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
-    hub_constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        for n, v in saved_env.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
-        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
-
-
-def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
-    """TCP-connect to the hub endpoint. Run in a thread because name resolution has no timeout of
-    its own; without this a dead resolver would stall for tens of seconds."""
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    host = url.hostname or "huggingface.co"
-    port = url.port or (80 if url.scheme == "http" else 443)
-    result: dict[str, bool] = {}
-
-    def probe() -> None:
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                result["ok"] = True
-        except OSError:
-            result["ok"] = False
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout + 0.5)
-    return result.get("ok", False), f"{host}:{port}"
-
-
 def _hub_docs(cfg: DataConfig) -> list[str]:
     import datasets
 
@@ -252,9 +193,9 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
     def load() -> Any:
         return datasets.load_dataset(name, cfg.config_name, split=cfg.split)
 
-    if _hub_offline_requested():
+    if hub.offline_requested():
         try:
-            with _forced_offline():
+            with hub.forced_offline():
                 ds = load()
         except Exception as exc:
             raise DataError(
@@ -268,7 +209,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
         except Exception as exc:
             raise DataError(f"cannot load dataset {where}: {_one_line(exc)}; check data.name") from exc
     else:
-        ok, endpoint = _hub_reachable()
+        ok, endpoint = hub.reachable()
         if ok:
             try:
                 ds = load()
@@ -280,7 +221,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
         else:
             log.warning("hub %s unreachable; trying a cached copy of %s", endpoint, name)
             try:
-                with _forced_offline():
+                with hub.forced_offline():
                     ds = load()
             except Exception as exc:
                 raise DataError(
@@ -543,11 +484,19 @@ class ResumableDataLoader(DataLoader):
 class TextDataModule(L.LightningDataModule):
     """Prepares (once, cached) and serves a tokenized text corpus as [batch_size, seq_len] blocks."""
 
-    def __init__(self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int, tokenizer_from: str | None = None
+    ) -> None:
+        """`tokenizer_from`: the hub id or folder of the model whose tokenizer `data.tokenizer=model` uses."""
         super().__init__()
         if isinstance(cfg.path, str):  # a single path given programmatically
             cfg.path = [cfg.path]
         _validate(cfg, seq_len, batch_size)
+        if cfg.tokenizer == "model" and not tokenizer_from:
+            raise DataError("data.tokenizer=model uses a Hugging Face model's tokenizer: it needs model=hf "
+                            "model.name_or_path=...; use data.tokenizer=byte or bpe for this model")  # fmt: skip
+        self.tokenizer_from = tokenizer_from
+        self._hf_tokenizer: Any = None
         self.cfg = cfg
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -583,6 +532,10 @@ class TextDataModule(L.LightningDataModule):
             desc["files"] = [[name, s.st_size, s.st_mtime_ns] for name, s in stats]
         else:
             desc.update(name=cfg.name, config_name=cfg.config_name, split=cfg.split, text_field=cfg.text_field)
+        if cfg.tokenizer == "model":
+            tok = self._model_tokenizer()
+            vocab = json.dumps(sorted(tok.get_vocab().items())).encode()
+            desc["model_tokenizer"] = [self.tokenizer_from, type(tok).__name__, hashlib.sha256(vocab).hexdigest()]
         desc.update(
             tokenizer=cfg.tokenizer,
             bpe_vocab_size=cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
@@ -592,6 +545,13 @@ class TextDataModule(L.LightningDataModule):
         )
         self._description = desc
         return desc
+
+    def _model_tokenizer(self) -> Any:
+        if self._hf_tokenizer is None:
+            from models.hf import load_tokenizer
+
+            self._hf_tokenizer = load_tokenizer(str(self.tokenizer_from))
+        return self._hf_tokenizer
 
     @property
     def cache_key(self) -> str:
@@ -664,6 +624,15 @@ class TextDataModule(L.LightningDataModule):
                 vocab_size = BYTE_VOCAB
                 encode: Any = _byte_encode
                 sep = list(BYTE_DOC_SEPARATOR.encode())
+            elif cfg.tokenizer == "model":
+                hf_tok = self._model_tokenizer()
+                vocab_size = len(hf_tok)
+                boundary = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else hf_tok.bos_token_id
+
+                def encode(texts: list[str]) -> list[list[int]]:
+                    return hf_tok(texts, add_special_tokens=False)["input_ids"]
+
+                sep = [] if boundary is None else [int(boundary)]
             else:
                 tok = _train_bpe(train_docs, cfg.bpe_vocab_size)
                 tok.save(str(tmp / "tokenizer.json"))
@@ -724,6 +693,8 @@ class TextDataModule(L.LightningDataModule):
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
+        elif meta["tokenizer"] == "model":
+            self._tokenizer = self._model_tokenizer()
         self._meta, self._train, self._val = meta, train, val
         log.info(
             "corpus %s: vocab %d, %d train tokens (%d blocks), %d val tokens (%d blocks)",
@@ -759,13 +730,15 @@ class TextDataModule(L.LightningDataModule):
         ids = [int(i) for i in ids]
         if self._tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)  # tokenizers' and transformers' alike
 
     def encode(self, text: str) -> list[int]:
         """Inverse of decode (e.g. for sampling prompts)."""
         self._require_setup()
         if self._tokenizer is None:
             return list(text.encode("utf-8"))
+        if self._hf_tokenizer is not None:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
         return list(self._tokenizer.encode(text).ids)
 
     def _loader_kwargs(self) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class _Window:
         # (record id, signed byte delta) in the order things happened; replayed by peak_bytes_excluding.
         self.events: list[tuple[int, int]] = []
         self.adopted: set[int] = set()  # records of storages that predate the window (see adopt())
+        self.labels: dict[int, str] = {}  # record id -> what made it (the tracker's `region`, or adopt's label)
         self.live_bytes = 0
         self.peak_bytes = 0
         # The autograd engine may run backward on its own thread (CUDA) and storages may die there.
@@ -111,6 +112,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._window = _Window()
         self._op_index = 0
         self._active = False
+        # What is running now (e.g. "layer 3", "head"): storages created meanwhile carry it, for `live_by_label`.
+        self.region = ""
 
     # -- mode protocol ---------------------------------------------------------------------------------
 
@@ -150,7 +153,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 # Wrapper subclasses (DTensor, ...) have no storage of their own; their inner ops are not
                 # seen by a mode that sits below them.
                 continue
-            if self.device_type is not None and storage.device.type != self.device_type:
+            # The tensor's device, not its storage's: a fake tensor's storage is on "meta", the tensor on its device.
+            if self.device_type is not None and t.device.type != self.device_type:
                 continue
             cdata = storage._cdata
             nbytes = storage.nbytes()
@@ -177,6 +181,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 )
                 # Zero-byte storages are tracked too (no bytes yet) so a later resize_ / out= is counted.
                 window.live[cdata] = (record, nbytes, ref)
+                if self.region:
+                    window.labels[record] = self.region
                 window.add(nbytes, record)
         if self.record_timeline:
             phase = BACKWARD if torch._C._current_autograd_node() is not None else FORWARD
@@ -194,7 +200,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def peak_bytes(self) -> int:
         return self._window.peak_bytes
 
-    def adopt(self, tensors: Iterable[torch.Tensor | None]) -> int:
+    def adopt(self, tensors: Iterable[torch.Tensor | None], label: str = "adopted") -> int:
         """Count storages that already exist (parameters, optimizer state, last step's gradients) from now on.
 
         Their bytes join `live_bytes` and leave it when they are freed inside the window (e.g. gradients set
@@ -209,7 +215,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if t is None:
                 continue
             storage = t.untyped_storage()
-            if self.device_type is not None and storage.device.type != self.device_type:
+            if self.device_type is not None and t.device.type != self.device_type:
                 continue
             cdata = storage._cdata
             with window.lock:
@@ -222,6 +228,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 )
                 window.live[cdata] = (record, storage.nbytes(), ref)
                 window.adopted.add(record)
+                window.labels[record] = label
                 window.add(storage.nbytes(), record)
                 adopted += storage.nbytes()
         return adopted
@@ -256,6 +263,56 @@ class LiveTensorTracker(TorchDispatchMode):
             live += delta
             peak = max(peak, live)
         return peak
+
+    def records_of(self, tensors: Iterable[torch.Tensor | None]) -> set[int]:
+        """Record ids of the live storages of `tensors` (e.g. the parameters' gradients made in the window)."""
+        window = self._window
+        out = set()
+        with window.lock:
+            for t in tensors:
+                if t is None:
+                    continue
+                entry = window.live.get(t.untyped_storage()._cdata)
+                if entry is not None:
+                    out.add(entry[0])
+        return out
+
+    def relabel(self, records: Iterable[int], label: str) -> None:
+        with self._window.lock:
+            for r in records:
+                self._window.labels[r] = label
+
+    def live_by_label(self, at: int | None = None, excluding: Iterable[int] = ()) -> dict[str, int]:
+        """Live bytes per label after the first `at` events (all of them: None), leaving out `excluding` records."""
+        window = self._window
+        skip = set(excluding)
+        with window.lock:
+            events = list(window.events[:at])
+            labels = dict(window.labels)
+        live: dict[str, int] = {}
+        for record, delta in events:
+            if record in skip:
+                continue
+            label = labels.get(record, "other")
+            live[label] = live.get(label, 0) + delta
+        return {k: v for k, v in live.items() if v}
+
+    def peak_at(self, excluding: Iterable[int] = (), since: int = 0, until: int | None = None) -> tuple[int, int]:
+        """(peak live bytes, number of events up to and including the peak) over events[since:until], leaving out
+        `excluding` records (their bytes never count, before `since` either)."""
+        window = self._window
+        skip = set(excluding)
+        with window.lock:
+            events = list(window.events[:until])
+        live = sum(d for r, d in events[:since] if r not in skip)
+        peak, where = live, since
+        for n, (record, delta) in enumerate(events[since:], start=since + 1):
+            if record in skip:
+                continue
+            live += delta
+            if live > peak:
+                peak, where = live, n
+        return peak, where
 
     def timeline_json(self) -> dict[str, Any]:
         return {

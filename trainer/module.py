@@ -1,4 +1,5 @@
-"""The LightningModule: a GPT with an activation-memory policy, AdamW groups, warm-up + cosine LR."""
+"""The LightningModule: any decoder (models/) with an activation-memory policy and a loss head, AdamW groups,
+warm-up + cosine LR. It sees the model through the decoder contract (models/adapter.py) only."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import lightning as L
 import torch
 from torch import nn
 
-from models.gpt import GPT, GPTConfig
+from models import build_model
+from models.adapter import DecoderAdapter, adapter_for
+from trainer.loss import LossConfig, head_loss
 from trainer.policies import Policy, apply_policy, build_policy
-from trainer.schema import OptimConfig
+from trainer.schema import ModelConfig, OptimConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -35,44 +38,60 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class GPTModule(L.LightningModule):
+class DecoderModule(L.LightningModule):
     def __init__(
         self,
-        model: GPTConfig | dict[str, Any],
+        model: ModelConfig | dict[str, Any],
         policy: Policy | dict[str, Any] | str = "none",
         optim: OptimConfig | dict[str, Any] | None = None,
         max_steps: int = 1000,
         compile: bool = False,
+        loss: LossConfig | dict[str, Any] | None = None,
+        vocab_size: int | None = None,
+        hf_config: Any = None,
     ) -> None:
+        """`vocab_size`: the tokenizer's (a native model is built with it); `hf_config`: an HF model's config,
+        already read (model=hf), so its folder is read once."""
         super().__init__()
-        self.model_config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.model_config = model if isinstance(model, ModelConfig) else ModelConfig(**model)
         self.optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        self.loss_config = loss if isinstance(loss, LossConfig) else LossConfig(**(loss or {}))
         self.policy = policy if isinstance(policy, Policy) else build_policy(policy)
         self.max_steps = max_steps
         self.compile = compile
         self._compiled = False
         self._sharded = False
         self.last_loss: torch.Tensor | None = None
+        self.model = build_model(self.model_config, vocab_size, hf_config)
         # Plain dicts only: checkpoints stay loadable with weights_only=True.
         self.save_hyperparameters(
-            {"model": asdict(self.model_config), "optim": asdict(self.optim), "policy": self.policy.cfg.name},
+            {
+                "model": asdict(self.model_config),
+                "optim": asdict(self.optim),
+                "loss": asdict(self.loss_config),
+                "policy": self.policy.cfg.name,
+                "vocab_size": self.adapter.head.weight.shape[0],
+            },
             logger=False,
         )
-        self.model = GPT(self.model_config)
         apply_policy(self.model, self.policy)
         self._val_loss_sum = torch.zeros(())
         self._val_batches = 0
 
+    @property
+    def adapter(self) -> DecoderAdapter:
+        return adapter_for(self.model)
+
     def configure_model(self) -> None:
-        # FSDP2 (Lightning's ModelParallelStrategy hands us a device mesh): shard each block, then the root. The
-        # policy was applied in __init__, so recompute happens inside each shard's all-gather/free window.
+        # FSDP2 (Lightning's ModelParallelStrategy hands us a device mesh): shard each decoder layer, then the root.
+        # The policy was applied in __init__, so recompute happens inside each shard's all-gather/free window.
         mesh = self.device_mesh
         if mesh is not None and not self._sharded:
             from torch.distributed.fsdp import fully_shard
 
             dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-            for block in self.model.blocks:
-                fully_shard(block, mesh=dp_mesh)
+            for layer in self.adapter.layers:
+                fully_shard(layer, mesh=dp_mesh)
             fully_shard(self.model, mesh=dp_mesh)
             self._sharded = True
         # After the policy (so compile sees the checkpoint regions) and once the model is on its device.
@@ -80,16 +99,24 @@ class GPTModule(L.LightningModule):
             self.model.compile()
             self._compiled = True
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-        return self.model(idx, targets)
+    def loss_of(self, batch: tuple[torch.Tensor, torch.Tensor], loss: LossConfig | None = None) -> torch.Tensor:
+        """The training loss of one micro-batch: the decoder's hidden states through the loss head (`loss`: another
+        head than the configured one, as the planner compares them)."""
+        x, y = batch
+        adapter = self.adapter
+        return head_loss(adapter.hidden(x), adapter.head, y, loss or self.loss_config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V), for inference; training goes through `loss_of`."""
+        adapter = self.adapter
+        return adapter.head(adapter.hidden(idx))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        _, loss = self.model(x, y)
+        loss = self.loss_of(batch)
         self.last_loss = loss.detach()  # read by the numeric guard to name what went non-finite
         # The per-optimizer-step train/loss (mean over micro-batches) is logged by the measuring callback;
         # this one only feeds the progress bar.
-        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=x.size(0))
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch[0].size(0))
         return loss
 
     def on_validation_epoch_start(self) -> None:
@@ -97,8 +124,7 @@ class GPTModule(L.LightningModule):
         self._val_batches = 0
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        _, loss = self.model(x, y)
+        loss = self.loss_of(batch)
         self._val_loss_sum += loss.detach().float()
         self._val_batches += 1
         return loss

@@ -10,13 +10,15 @@
 What is measured (LiveTensorTracker, so CPU and CUDA alike; the budget is MiB of the same whole-step figure the
 measuring callback reports as `peak_total_mib`):
 
-* per block and treatment, the block run alone on its real input under the treatment (`apply_policy` with a
-  one-block `per_block` plan, exactly what training installs): the bytes it keeps from its forward until its
+* per block and treatment, the block run alone on its real input and with the arguments the model passes it (its
+  context: rotary table, mask), under the treatment (`install_plan` with a one-block plan, exactly what training
+  installs, through the decoder contract): the bytes it keeps from its forward until its
   backward (its input included, its output left to the next block), before and after autocast lets go of its
   weight copies; the peak of its forward; the extra bytes at the peak of its backward (recompute, gradients in
   flight, its parameters' new gradients); and its forward and backward time (median of `repeats`, pooled over
   blocks of identical structure, whose bytes are identical too and are measured once);
-* the rest of the model (embedding and loss head) in the same way, with the block stack cut out;
+* the rest of the model (embedding and loss head) in the same way, with the block stack cut out, once per loss
+  head the planner may choose (`policy.loss_candidates`: the configured loss first);
 * the training state: parameters and buffers, gradients, optimizer state (a throw-away optimizer of the run's
   kind with lr=0 on the real parameters, so nothing changes), and the peak of clipping + the optimizer step.
 
@@ -25,9 +27,8 @@ The peak model follows the step as Lightning runs it: the forward runs with last
 (with accumulation, micro-batches after the first run with every gradient alive), then the optimizer step.
 The peak is the largest of: the forward of block i (fixed + what blocks before i keep + block i's forward peak),
 the loss head, the backward of block i (fixed + what blocks up to i keep + block i's transient + the gradients of
-the blocks after it), the embedding's backward and the optimizer step. This is the issue's "fixed + Σ kept +
-largest transient", with the transient checked where it happens: block i's recompute coexists with what blocks
-0..i keep, not with everything, and the forward, where last step's gradients are still alive, is a phase of
+the blocks after it), the embedding's backward and the optimizer step: block i's recompute coexists with what
+blocks 0..i keep, not with everything, and the forward, where last step's gradients are still alive, is a phase of
 its own. The solver is exact for this model: a dynamic programme over blocks whose state is (bytes kept in
 forward, bytes kept to backward) of the blocks so far, keeping the fastest partial plan per state; every
 constraint depends only on those sums, so nothing optimal is ever dropped (tests/test_planner.py checks it
@@ -37,31 +38,25 @@ against brute force).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from models.adapter import DecoderAdapter, adapter_for
+from trainer import precision as precision_
 from trainer.memory import MIB, LiveTensorTracker
-from trainer.policies import (
-    Plan,
-    PolicyError,
-    apply_policy,
-    build_policy,
-    plan_from_treatments,
-    remove_policy,
-)
+from trainer.policies import POLICIES, Plan, PolicyError, build_policy, install_plan, remove_policy
 
 log = logging.getLogger(__name__)
-
-UNIFORM = ("none", "selective", "op_sac", "full", "offload")  # the runner-up table's rows, where candidates
 # Lightning's per-step scalars (the closure's loss / accum, logged values, norms) that a bare loop does not make:
 # measured within ±1.2 KiB of the model on CPU runs; this is headroom for them.
 BOOKKEEPING = 16 * 1024
@@ -119,6 +114,8 @@ class Profile:
     rest_ms: float = 0.0  # embedding + head, forward + backward
     opt_ms: float = 0.0  # clipping + optimizer step
     notes: list[str] = field(default_factory=list)
+    loss: str = ""  # the loss head the embedding/head figures were measured with
+    heads: dict[str, Profile] = field(default_factory=dict, repr=False)  # one Profile per loss head profiled
 
     @property
     def n_layer(self) -> int:
@@ -343,28 +340,23 @@ def _zero(objective: str) -> Any:
 # ----------------------------------------------------------------------------------------------------
 
 
-class _OneBlock:
-    """A one-block stand-in for the model, so `apply_policy` installs a treatment on a single block."""
+class _OneLayer(DecoderAdapter):
+    """Layer `i` of a model as a one-layer decoder, so `install_plan` puts a treatment on that layer alone."""
 
-    def __init__(self, block: nn.Module) -> None:
-        self.blocks = [block]
+    def __init__(self, parent: DecoderAdapter, i: int) -> None:
+        super().__init__(parent.model)
+        self.parent, self.i = parent, i
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[0](x)
+    @property
+    def layers(self) -> Any:
+        return [self.parent.layers[self.i]]
 
+    @property
+    def attention(self) -> str:
+        return self.parent.attention
 
-def autocast_for(precision: str, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """The autocast Lightning's precision plugin wraps `training_step` in (none for *-true precisions).
-
-    Lightning turns autocast's weight cache off (`cache_enabled=False`): a cast that autograd does not save (a
-    Linear's bias copy) is freed at once instead of living to the end of the forward. The bytes differ, so the
-    profile must run as the trainer does.
-    """
-    if precision == "bf16-mixed":
-        return lambda: torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False)
-    if precision == "16-mixed":
-        return lambda: torch.autocast(device_type, dtype=torch.float16, cache_enabled=False)
-    return contextlib.nullcontext
+    def wrap_core_attention(self, i: int, wrapper: Any) -> None:
+        self.parent.wrap_core_attention(self.i, wrapper)
 
 
 def _sync(device: torch.device) -> None:
@@ -409,39 +401,30 @@ class _Timer:
         return out, (time.perf_counter() - t0) * 1e3
 
 
-def _treatment_policy(treatment: str, policy_cfg: Any) -> Any:
-    return build_policy(
-        {
-            "name": "per_block",
-            "blocks": [treatment],
-            "save_ops": list(policy_cfg.save_ops),
-            "min_bytes": policy_cfg.min_bytes,
-            "prefetch": policy_cfg.prefetch,
-        }
-    )
-
-
 def _run_block(
-    shim: _OneBlock,
+    layer: nn.Module,
     x_src: torch.Tensor,
+    context: tuple[tuple[Any, ...], dict[str, Any]],
     w: torch.Tensor,
-    autocast: Callable[[], Any],
+    forward_context: Callable[[], Any],
     tracker: LiveTensorTracker | None,
     timer: _Timer,
 ) -> dict[str, float]:
-    """Forward (under autocast) then backward of one block on a copy of its real input.
+    """Forward (in the precision plugin's forward context) then backward of one layer on a copy of its real input,
+    called with the arguments the model passes it.
 
     The backward's seed is `(y * w).sum()`: autograd makes the incoming gradient (as the next block would hand
     it over) and nothing in Python holds it, so it is freed as it would be in the chain.
     """
     out: dict[str, float] = {}
     x = x_src.detach().clone().requires_grad_(True)
+    args, kwargs = context
     n0 = len(tracker.timeline) if tracker else 0
     start = tracker.live_bytes if tracker else 0
 
     def forward() -> torch.Tensor:
-        with autocast():
-            y = shim.run_blocks(x)
+        with forward_context():
+            y = layer(x, *args, **kwargs)
             if tracker:
                 out["end_fwd"] = tracker.live_bytes
         return y
@@ -464,6 +447,7 @@ def profile(
     model: nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
     *,
+    loss_fn: Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | Mapping[str, Callable[..., torch.Tensor]],
     precision: str,
     make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     param_groups: list[dict[str, Any]] | None = None,
@@ -477,20 +461,24 @@ def profile(
 ) -> Profile:
     """Measure what the planner needs on one micro-batch (see the module docstring).
 
-    `model` is a GPT (anything with `.blocks` and `.run_blocks`, `forward(idx, targets) -> (logits, loss)`); its
-    installed policy is removed (the caller installs the plan). `make_optimizer(groups)` builds an optimizer of the
-    run's kind; it is given lr=0 groups over the real parameters and stepped on zero gradients, which leaves every
-    parameter bit-for-bit as it was. The caller restores RNG state if it matters (dropout draws from it).
-    `resident`: training-state tensors already on the device that the profile measures anyway (a resumed run's
-    optimizer state), so that they are not also counted as memory the tracker cannot see (CUDA).
+    `model` meets the decoder contract (models/adapter.py); its installed policy is removed (the caller installs
+    the plan). `loss_fn(batch)` is the training forward (the module's `loss_of`), or {loss name: loss_fn}: the
+    embedding and head are then profiled under each and the Profile's `heads` holds one Profile per name (the
+    first is this one). `make_optimizer(groups)` builds an optimizer of the run's kind; it is given lr=0 groups
+    over the real parameters and stepped on zero gradients, which leaves every parameter bit-for-bit as it was. The
+    caller restores RNG state if it matters (dropout draws from it). `resident`: training-state tensors already on
+    the device that the profile measures anyway (a resumed run's optimizer state), so that they are not also
+    counted as memory the tracker cannot see (CUDA).
     """
     if policy_cfg is None:
         policy_cfg = build_policy({"name": "per_block", "pattern": ["none"]}).cfg
+    losses = dict(loss_fn) if isinstance(loss_fn, Mapping) else {"": loss_fn}
     idx, tgt = batch
     device = idx.device
     device_type = device.type
-    autocast = autocast_for(precision, device_type)
+    forward_context = precision_.plugin(precision, device_type).forward_context
     timer = _Timer(device)
+    adapter = adapter_for(model)
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     was_training = model.training
@@ -499,52 +487,91 @@ def profile(
     try:
         for p in params:
             p.grad = None
+        first = next(iter(losses.values()))
         costs, block_grads, x_bytes = _profile_blocks(
-            model, idx, tgt, autocast, timer, treatments, policy_cfg, repeats, device_type, timing
+            adapter, (idx, tgt), first, forward_context, timer, treatments, policy_cfg, repeats, device_type, timing
         )
-        rest = _profile_rest(model, idx, tgt, autocast, timer, repeats, device_type, timing)
+        rests = {
+            name: _profile_rest(adapter, (idx, tgt), fn, forward_context, timer, repeats, device_type, timing)
+            for name, fn in losses.items()
+        }
         opt = _profile_optimizer(model, make_optimizer, param_groups, grad_clip, timer, repeats, device_type, timing)
     finally:
         for p, g in zip(params, saved_grads, strict=True):
             p.grad = g
-        model.__dict__.pop("run_blocks", None)
+        for i in range(adapter.n_layer):
+            adapter.override_forward(i, None)
         model.train(was_training)
     untracked = 0
     if device_type == "cuda":
         state = [*model.parameters(), *model.buffers(), *resident]
         untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
-    return Profile(
-        treatments=tuple(treatments),
-        costs=costs,
-        block_grads=block_grads,
-        params=opt["params"],
-        grads=opt["grads"],
-        optimizer=opt["optimizer"],
-        x_bytes=x_bytes,
-        embed_fwd_peak=rest["embed_fwd_peak"],
-        gap_fwd=rest["gap_fwd"],
-        head_fwd_peak=rest["head_fwd_peak"],
-        head_bwd_peak=rest["head_bwd_peak"],
-        gap_bwd=rest["gap_bwd"],
-        embed_bwd_peak=rest["embed_bwd_peak"],
-        opt_peak=opt["peak"],
-        micro_batch=idx.shape[0],
-        seq_len=idx.shape[1],
-        accum=accum,
-        precision=precision,
-        device=device_type,
-        prefetch=bool(getattr(policy_cfg, "prefetch", True)),
-        untracked=untracked,
-        rest_ms=rest["ms"],
-        opt_ms=opt["ms"],
-    )
+    profiles = {
+        name: Profile(
+            treatments=tuple(treatments),
+            costs=costs,
+            block_grads=block_grads,
+            params=opt["params"],
+            grads=opt["grads"],
+            optimizer=opt["optimizer"],
+            x_bytes=x_bytes,
+            embed_fwd_peak=rest["embed_fwd_peak"],
+            gap_fwd=rest["gap_fwd"],
+            head_fwd_peak=rest["head_fwd_peak"],
+            head_bwd_peak=rest["head_bwd_peak"],
+            gap_bwd=rest["gap_bwd"],
+            embed_bwd_peak=rest["embed_bwd_peak"],
+            opt_peak=opt["peak"],
+            micro_batch=idx.shape[0],
+            seq_len=idx.shape[1],
+            accum=accum,
+            precision=precision,
+            device=device_type,
+            prefetch=bool(getattr(policy_cfg, "prefetch", True)),
+            untracked=untracked,
+            rest_ms=rest["ms"],
+            opt_ms=opt["ms"],
+            loss=name,
+        )
+        for name, rest in rests.items()
+    }
+    primary = next(iter(profiles.values()))
+    primary.heads = profiles
+    return primary
+
+
+def _block_inputs(
+    adapter: DecoderAdapter, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable[..., Any],
+    forward_context: Callable[[], Any], firsts: set[int],
+) -> tuple[dict[int, torch.Tensor], list[tuple[tuple[Any, ...], dict[str, Any]]]]:  # fmt: skip
+    """One no-grad pass over the micro-batch: the real input of the layers in `firsts`, and every layer's
+    arguments (its context), as the model's own loop passes them."""
+    inputs: dict[int, torch.Tensor] = {}
+    contexts: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {}) for _ in range(adapter.n_layer)]
+
+    def record(i: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if i in firsts:
+            inputs[i] = args[0].detach()
+        contexts[i] = (tuple(args[1:]), dict(kwargs))
+
+    hooks = [
+        layer.register_forward_pre_hook(functools.partial(record, i), with_kwargs=True)
+        for i, layer in enumerate(adapter.layers)
+    ]
+    try:
+        with torch.no_grad(), forward_context():
+            loss_fn(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, contexts
 
 
 def _profile_blocks(
-    model: nn.Module,
-    idx: torch.Tensor,
-    tgt: torch.Tensor,
-    autocast: Callable[[], Any],
+    adapter: DecoderAdapter,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable[..., Any],
+    forward_context: Callable[[], Any],
     timer: _Timer,
     treatments: Sequence[str],
     policy_cfg: Any,
@@ -552,55 +579,57 @@ def _profile_blocks(
     device_type: str,
     timing: bool,
 ) -> tuple[list[dict[str, Cost]], list[int], int]:
-    blocks = list(model.blocks)
+    blocks = list(adapter.layers)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, b in enumerate(blocks):
         groups.setdefault(_block_signature(b), []).append(i)
     # The real input of each group's first block, from one no-grad pass over the micro-batch. A group's other
     # blocks are timed on that same input (their bytes and times do not depend on the values).
     firsts = {members[0] for members in groups.values()}
-    inputs: dict[int, torch.Tensor] = {}
-
-    def capture(x: torch.Tensor) -> torch.Tensor:
-        for i, b in enumerate(blocks):
-            if i in firsts:
-                inputs[i] = x.detach()
-            x = b(x)
-        return x
-
-    model.run_blocks = capture  # type: ignore[method-assign]
-    with torch.no_grad(), autocast():
-        model(idx, tgt)
-    model.__dict__.pop("run_blocks", None)
+    inputs, contexts = _block_inputs(adapter, batch, loss_fn, forward_context, firsts)
     x_bytes = _storage_bytes(inputs[0])
     # offload's prefetch brings back what `none` would keep: measure `none`'s bytes even when it is no candidate
     measured = tuple(treatments) + (("none",) if "offload" in treatments and "none" not in treatments else ())
-    policies = {t: _treatment_policy(t, policy_cfg) for t in measured}
+    chooser = build_policy({**_shared_params(policy_cfg), "name": "per_block", "pattern": ["none"]})
     seed_w = torch.randn_like(inputs[0], dtype=torch.float32)  # the backward seed's weights: (y * w).sum()
     memory: dict[tuple[int, str], dict[str, float]] = {}
     times: dict[tuple[int, str], tuple[float, float]] = {}
+
+    def install(i: int, t: str) -> _OneLayer:
+        one = _OneLayer(adapter, i)
+        install_plan(one, Plan.per_block([t]), chooser)
+        return one
+
+    def uninstall(i: int) -> None:
+        adapter.override_forward(i, None)
+        adapter.wrap_core_attention(i, None)
+
     for members in groups.values():
         first = members[0]
         for t in measured:
-            shim = _OneBlock(blocks[first])
-            apply_policy(shim, policies[t])  # type: ignore[arg-type]
+            install(first, t)
             try:
                 # warm-up (lazy init, SAC contexts, allocator), then the tracked run with fresh gradients
-                _run_block(shim, inputs[first], seed_w, autocast, None, timer)
+                _run_block(blocks[first], inputs[first], contexts[first], seed_w, forward_context, None, timer)
                 for p in blocks[first].parameters():
                     p.grad = None
                 tracker = LiveTensorTracker(record_timeline=True, device=device_type)
                 with tracker:
-                    m = _run_block(shim, inputs[first], seed_w, autocast, tracker, timer)
+                    m = _run_block(blocks[first], inputs[first], contexts[first], seed_w, forward_context, tracker,
+                                   timer)  # fmt: skip
                 memory[(first, t)] = m
                 fwd_ms: list[float] = []
                 bwd_ms: list[float] = []
                 if timing and t in treatments:
                     for r in range(repeats):
                         i = members[r % len(members)]
-                        shim.blocks[0] = blocks[i]
-                        apply_policy(shim, policies[t])  # type: ignore[arg-type]
-                        tm = _run_block(shim, inputs[first], seed_w, autocast, None, timer)
+                        if i != first:
+                            install(i, t)
+                        try:
+                            tm = _run_block(blocks[i], inputs[first], contexts[i], seed_w, forward_context, None, timer)
+                        finally:
+                            if i != first:
+                                uninstall(i)
                         fwd_ms.append(tm["fwd_ms"])
                         bwd_ms.append(tm["bwd_ms"])
                 times[(first, t)] = (
@@ -608,7 +637,7 @@ def _profile_blocks(
                     statistics.median(bwd_ms) if bwd_ms else 0.0,
                 )
             finally:
-                remove_policy(shim)  # type: ignore[arg-type]
+                uninstall(first)
                 for i in members:
                     for p in blocks[i].parameters():
                         p.grad = None
@@ -638,27 +667,36 @@ def _profile_blocks(
     return costs, block_grads, x_bytes
 
 
+def _shared_params(policy_cfg: Any) -> dict[str, Any]:
+    """The treatment parameters (save_ops, min_bytes, prefetch, ...) of a policy config, for the profile's own."""
+    keys = ("save_ops", "min_bytes", "prefetch")
+    values = {k: getattr(policy_cfg, k) for k in keys if getattr(policy_cfg, k, None) is not None}
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
+
+
 def _profile_rest(
-    model: nn.Module,
-    idx: torch.Tensor,
-    tgt: torch.Tensor,
-    autocast: Callable[[], Any],
+    adapter: DecoderAdapter,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
+    forward_context: Callable[[], Any],
     timer: _Timer,
     repeats: int,
     device_type: str,
     timing: bool,
 ) -> dict[str, Any]:
-    """The model with its block stack cut out: embedding → (cut) → loss head, forward then backward.
+    """The model with its layers cut out: embedding → (cut) → loss head, forward then backward.
 
-    At the cut the embedding's output x0 is kept and a fresh leaf h stands in for the last block's output; the
-    head's backward stops at h, and x0.backward(h.grad) runs the embedding's. Live bytes are read at each phase.
+    At the cut (the first layer's call) the embedding's output x0 is kept and a fresh leaf h stands in for the last
+    layer's output; the other layers pass it through. The head's backward stops at h, and x0.backward(h.grad) runs
+    the embedding's. Live bytes are read at each phase.
     """
+    model = adapter.model
 
     def run(tracker: LiveTensorTracker | None) -> dict[str, Any]:
         marks: dict[str, Any] = {}
         held: dict[str, torch.Tensor] = {}
 
-        def cut(x: torch.Tensor) -> torch.Tensor:
+        def cut(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             held["x0"] = x
             if tracker:
                 marks["gap_fwd"] = tracker.live_bytes
@@ -667,16 +705,21 @@ def _profile_rest(
             held["h"] = h
             return h
 
-        model.run_blocks = cut  # type: ignore[method-assign]
+        def through(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return x
+
+        for i in range(adapter.n_layer):
+            adapter.override_forward(i, cut if i == 0 else through)
         try:
 
             def forward() -> torch.Tensor:
-                with autocast():
-                    return model(idx, tgt)[1]
+                with forward_context():
+                    return loss_fn(batch)
 
             loss, fwd_ms = timer(forward)
         finally:
-            model.__dict__.pop("run_blocks", None)
+            for i in range(adapter.n_layer):
+                adapter.override_forward(i, None)
         if tracker:
             marks["embed_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[: marks["n_cut"]])
             marks["head_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[marks["n_cut"] :])
@@ -799,20 +842,19 @@ def budget_bytes(cfg: Any, device: torch.device | str) -> tuple[int, str]:
 
 
 def candidate_treatments(cfg: Any, attention: str, device_type: str) -> tuple[tuple[str, ...], list[str]]:
-    """The configured candidates that differ on this model and device, and a note for each one dropped."""
+    """The configured candidates that differ on this model and device, and a note for each one dropped (each
+    treatment says itself when it would change nothing: `Policy.unavailable`)."""
     notes = []
     out = []
-    for t in dict.fromkeys(cfg.candidates):
-        if t == "offload" and device_type != "cuda":
-            notes.append("offload left out: without a CUDA device it is `none`")
-            continue
-        if t == "selective" and attention != "eager":
-            notes.append("selective left out: with model.attention=sdpa it stores attention like `none`")
+    for t in dict.fromkeys(cfg.treatment_candidates):
+        why = POLICIES[t](POLICIES[t].Config()).unavailable(attention, device_type)
+        if why:
+            notes.append(f"{t} left out: {why}")
             continue
         out.append(t)
     if not out:
         raise PolicyError(
-            f"policy auto: no candidate treatment applies here (policy.candidates={list(cfg.candidates)}); "
+            f"policy auto: no candidate treatment applies here (policy.candidates={list(cfg.treatment_candidates)}); "
             "include none, op_sac or full"
         )
     return tuple(out), notes
@@ -838,8 +880,14 @@ class PlanResult:
     def treatments(self) -> tuple[str, ...]:
         return self.solution.treatments
 
-    def plan(self, model: nn.Module) -> Plan:
-        return plan_from_treatments(model, self.treatments)
+    @property
+    def loss(self) -> str:
+        """The loss head the plan was solved with (the configured one unless only another fits)."""
+        return self.profile.loss
+
+    @property
+    def plan(self) -> Plan:
+        return Plan.per_block(self.treatments)
 
     # -- explanation ---------------------------------------------------------------------------------------------
     def table_rows(self) -> list[dict[str, Any]]:
@@ -876,6 +924,7 @@ class PlanResult:
         head = (
             f"policy=auto: budget {mib(self.budget)} MiB ({self.budget_text}); micro-batch "
             f"{self.micro_batch}×{p.seq_len}, accum {self.accum}, {p.precision}, {p.device}"
+            + (f", loss={p.loss}" if p.loss else "")
         )
         if (self.micro_batch, self.accum) != (self.configured_micro_batch, self.configured_accum):
             head += (
@@ -923,6 +972,7 @@ class PlanResult:
             "budget": self.budget_text,
             "plan": list(self.treatments),
             "plan_describe": s.describe(),
+            "loss": self.loss,
             "predicted_peak_mib": s.peak / MIB,
             "predicted_step_ms": s.step_ms,
             "peak_set_by": s.where,
@@ -955,7 +1005,7 @@ def solve_profile(
     sol = model.solve(budget)
     if sol is None:
         return None
-    uniform = {t: model.evaluate([t] * prof.n_layer) for t in UNIFORM if t in prof.treatments}
+    uniform = {t: model.evaluate([t] * prof.n_layer) for t in prof.treatments}
     return PlanResult(
         profile=prof,
         budget=budget,
@@ -974,7 +1024,7 @@ def frugal_result(prof: Profile, budget: int, budget_text: str, configured: tupl
     """The least-peak plan, marked as not fitting (what a re-plan falls back to)."""
     model = PeakModel(prof)
     sol = model.min_peak()
-    uniform = {t: model.evaluate([t] * prof.n_layer) for t in UNIFORM if t in prof.treatments}
+    uniform = {t: model.evaluate([t] * prof.n_layer) for t in prof.treatments}
     return PlanResult(prof, budget, budget_text, sol, uniform, prof.micro_batch, prof.accum, *configured, fits=False)
 
 
@@ -1076,6 +1126,7 @@ def plan_model(
     batch: tuple[torch.Tensor, torch.Tensor],
     cfg: Any,
     *,
+    loss_fns: Mapping[str, Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]],
     precision: str,
     accum: int,
     make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
@@ -1085,21 +1136,24 @@ def plan_model(
 ) -> PlanResult:
     """Profile `model` on `batch`, solve for `cfg`'s budget and return the plan; a one-line PolicyError otherwise.
 
+    `loss_fns`: {loss head: the training forward under it}, the configured head first. The plan keeps the
+    configured head when any plan fits with it; otherwise it takes the fastest plan with another head that fits
+    (a chunked head frees the logits: "when the budget needs it").
     With cfg.allow_accum, when nothing fits, the micro-batch is halved (accumulation doubled, same tokens per
     step) and profiled again, as long as it halves evenly. The RNG is left as it was found.
     """
     idx, tgt = batch
     device = idx.device
     budget, budget_text = budget_bytes(cfg, device)
-    attention = model.blocks[0].attn.attention
-    treatments, notes = candidate_treatments(cfg, attention, device.type)
+    treatments, notes = candidate_treatments(cfg, adapter_for(model).attention, device.type)
     configured = (idx.shape[0], accum)
 
     def run(b: int, acc: int, timing: bool = True) -> Profile:
         with preserved_rng(device):
-            prof = profile(
+            return profile(
                 model,
                 (idx[:b], tgt[:b]),
+                loss_fn=loss_fns,
                 precision=precision,
                 make_optimizer=make_optimizer,
                 param_groups=param_groups,
@@ -1111,11 +1165,26 @@ def plan_model(
                 timing=timing,
                 resident=resident,
             )
-        return prof
+
+    def solve(prof: Profile) -> PlanResult | None:
+        heads = list(prof.heads.values()) or [prof]
+        first = solve_profile(heads[0], budget, budget_text, configured, notes)
+        if first is not None:
+            return first
+        others = [r for h in heads[1:] if (r := solve_profile(h, budget, budget_text, configured, notes))]
+        if not others:
+            return None
+        best = min(others, key=lambda r: r.solution.step_ms)
+        best.notes.append(f"loss head {best.loss}: no plan fits with the configured {heads[0].loss}")
+        return best
+
+    def frugal_head(prof: Profile) -> Profile:
+        heads = list(prof.heads.values()) or [prof]
+        return min(heads, key=lambda h: PeakModel(h).min_peak().peak)
 
     b, acc = idx.shape[0], accum
     prof = run(b, acc)
-    result = solve_profile(prof, budget, budget_text, configured, notes)
+    result = solve(prof)
     if result is not None:
         return result
     first, small = prof, None
@@ -1125,12 +1194,14 @@ def plan_model(
         prof = run(b, acc)
         tried.append(b)
         small = small or prof
-        result = solve_profile(prof, budget, budget_text, configured, notes)
+        result = solve(prof)
         if result is not None:
             return result
     if small is None and first.micro_batch > 1:
         small = run(first.micro_batch // 2, accum, timing=False)  # bytes at a second size: the affine fit
-    raise PolicyError(refusal(first, budget, budget_text, small, tried))
+    head = frugal_head(first)
+    small_head = None if small is None else (small.heads.get(head.loss) or small)
+    raise PolicyError(refusal(head, budget, budget_text, small_head, tried))
 
 
 def default_optimizer(weight_decay: float = 0.1) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
@@ -1142,48 +1213,61 @@ def config_device(config: Any) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
 
 
-def plan_result_for_config(config: Any, device: torch.device | str | None = None) -> PlanResult:
-    """`plan_model` on the configured model (seeded init) and a random micro-batch of the configured shape."""
-    from models.gpt import GPT, GPTConfig
+def head_candidates(module: Any, cfg: Any) -> dict[str, Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """{loss head: the module's training forward under it}: the module's configured head first, then each of
+    `cfg.loss_candidates` (auto's) with the same chunk size."""
+    from trainer.loss import LossConfig
 
-    fields_ = [f for f in GPTConfig.__dataclass_fields__]
-    values = {f: getattr(config.model, f) for f in fields_}
-    if values.get("vocab_size") is None:
-        values["vocab_size"] = 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size
+    configured = module.loss_config
+    names = [configured.name] + [n for n in (cfg.loss_candidates or []) if n != configured.name]
+    out = {}
+    for name in names:
+        loss_cfg = LossConfig(name=name, chunk_tokens=configured.chunk_tokens, ignore_index=configured.ignore_index)
+        out[name] = functools.partial(module.loss_of, loss=loss_cfg)
+    return out
+
+
+def plan_result_for_config(config: Any, device: torch.device | str | None = None) -> PlanResult:
+    """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
+    configured shape (precision `auto` settled as a run settles it)."""
+    from trainer import precision as precision_
+    from trainer.module import DecoderModule, param_groups
+
     device = torch.device(device) if device is not None else config_device(config)
     policy = build_policy(config.policy)
     if policy.cfg.name != "auto":
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
-    policy.check(config.model.n_layer, config.model.attention)
+    chosen, _ = precision_.resolve(config.precision, device.type)
+    vocab = config.model.vocab_size or (256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
     cpu = torch.get_rng_state()
     try:
         torch.manual_seed(config.seed)
-        model = GPT(GPTConfig(**values))
-        if config.precision == "bf16-true":
-            model = model.to(torch.bfloat16)
-        model = model.to(device)
+        module = DecoderModule(config.model, "none", config.optim, loss=config.loss, vocab_size=vocab)
+        module = precision_.plugin(chosen, device.type).convert_module(module).to(device)
+        vocab = module.adapter.head.weight.shape[0]
         g = torch.Generator().manual_seed(config.seed)
         shape = (config.batch_size, config.seq_len)
-        idx = torch.randint(0, values["vocab_size"], shape, generator=g).to(device)
-        tgt = torch.randint(0, values["vocab_size"], shape, generator=g).to(device)
+        idx = torch.randint(0, vocab, shape, generator=g).to(device)
+        tgt = torch.randint(0, vocab, shape, generator=g).to(device)
     finally:
         torch.set_rng_state(cpu)
-    from trainer.module import param_groups
-
+    policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
-        model,
+        module.model,
         (idx, tgt),
         policy.cfg,
-        precision=config.precision,
+        loss_fns=head_candidates(module, policy.cfg),
+        precision=chosen,
         accum=config.accum,
         make_optimizer=default_optimizer(config.optim.weight_decay),
-        param_groups=param_groups(model, config.optim.weight_decay),
+        param_groups=param_groups(module.model, config.optim.weight_decay),
         grad_clip=config.trainer.grad_clip,
     )
 
 
-def plan_for_config(config: Any, device: torch.device | str | None = None) -> tuple[Plan, str]:
-    """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan and its explanation.
+def plan_for_config(config: Any, device: torch.device | str | None = None) -> tuple[Plan, str, str]:
+    """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan, its loss head and its
+    explanation.
 
     Builds the configured model and a random micro-batch of the configured shape (on CUDA when the config would
     train there, else CPU), profiles and solves exactly as training does at fit start (same function), so both
@@ -1191,22 +1275,7 @@ def plan_for_config(config: Any, device: torch.device | str | None = None) -> tu
     nothing fits.
     """
     result = plan_result_for_config(config, device)
-    from models.gpt import GPT, GPTConfig
-
-    with torch.device("meta"):
-        shell = GPT(
-            GPTConfig(
-                vocab_size=1,
-                block_size=1,
-                n_layer=config.model.n_layer,
-                n_head=config.model.n_head,
-                n_embd=config.model.n_head,
-                dropout=0.0,
-                bias=False,
-                attention=config.model.attention,
-            )
-        )
-    return result.plan(shell), result.text()
+    return result.plan, result.loss, result.text()
 
 
 __all__ = [

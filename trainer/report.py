@@ -33,18 +33,9 @@ from typing import Any
 
 import yaml
 
-POLICY_ORDER = (
-    "none",
-    "selective",
-    "op_sac",
-    "first_k",
-    "every_k",
-    "sqrt",
-    "full",
-    "offload",
-    "per_block",
-    "auto",
-)
+from trainer import metrics as M
+from trainer.policies import POLICIES
+
 STATUS_ORDER = ("completed", "oom", "error", "interrupted", "missing")
 
 METRICS = {
@@ -59,26 +50,9 @@ METRIC_NOTES = {
     "activation_peak_mib": "live tensors of one micro-batch's forward+backward above what was live before it, "
     "gradients excluded (measured on any device; on CPU the only per-policy memory figure)",
 }
-FIGURES = (
-    "steps",
-    "activation_peak_mib",
-    "peak_allocated_mib",
-    "peak_total_mib",
-    "median_step_ms",
-    "tokens_per_s",
-    "final_train_loss",
-    "final_val_loss",
-)
+FIGURES = M.SUMMARY_FIGURES
 # summary key -> TensorBoard tag and how a job's steps reduce to one figure, for jobs whose summary lacks it
-FROM_EVENTS = {
-    "activation_peak_mib": ("memory/activation_peak_mib", "max"),
-    "peak_allocated_mib": ("memory/peak_allocated_mib", "max"),
-    "median_step_ms": ("time/step_ms", "median"),
-    "tokens_per_s": ("throughput/tokens_per_s", "median"),
-    "final_train_loss": ("train/loss", "last"),
-    "final_val_loss": ("val/loss", "last"),
-    "steps": ("train/loss", "count"),
-}
+FROM_EVENTS = M.FROM_TAG
 
 
 @dataclass(eq=False)  # a job is itself: compared by identity
@@ -88,6 +62,7 @@ class Job:
     num: int | None = None
     status: str = "missing"
     policy: str | None = None
+    loss: str | None = None
     batch_size: int | None = None
     accum: int | None = None
     precision: str | None = None
@@ -111,7 +86,8 @@ class Job:
     @property
     def label(self) -> str:
         split = f" {self.batch_size}×{self.accum}" if self.batch_size is not None and self.accum is not None else ""
-        return f"{self.policy or '?'}{split}"
+        head = f"+{self.loss}" if self.loss and self.loss != "standard" else ""
+        return f"{self.policy or '?'}{head}{split}"
 
     @property
     def ident(self) -> str:
@@ -189,13 +165,15 @@ def read_job(path: Path, root: Path) -> Job:
         value = summary.get(key, cfg.get(key))
         setattr(job, key, int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None)
     job.precision = summary.get("precision") or cfg.get("precision")
+    loss = summary.get("loss") if isinstance(summary.get("loss"), dict) else cfg.get("loss")
+    job.loss = loss.get("name") if isinstance(loss, dict) else None
     model = summary.get("model") if isinstance(summary.get("model"), dict) else cfg.get("model")
     job.model = (model or {}).get("name") if isinstance(model, dict) else None
     job.device = summary.get("device")
     job.figures = {k: _num(summary.get(k)) for k in FIGURES}
 
-    scalars = read_scalars(path / "tb")
-    job.curves = {tag: scalars[tag] for tag in ("train/loss", "val/loss") if tag in scalars}
+    scalars = read_scalars(path)
+    job.curves = {tag: scalars[tag] for tag in (M.TRAIN_LOSS, M.VAL_LOSS) if tag in scalars}
     for key, (tag, how) in FROM_EVENTS.items():
         if job.figures.get(key) is None and scalars.get(tag):
             values = [v for _, v in scalars[tag]]
@@ -216,19 +194,22 @@ def read_job(path: Path, root: Path) -> Job:
 def step_time_spread(scalars: dict[str, list[tuple[int, float]]], warmup: int) -> float | None:
     """Interquartile range of the timed steps' wall time over their median (the steps summary.json's median is
     taken over: after warm-up, tracked steps left out); None with fewer than 4 such steps."""
-    tracked = {s for s, _ in scalars.get("memory/activation_peak_mib", [])}
-    times = [v for s, v in scalars.get("time/step_ms", []) if s > warmup and s not in tracked]
+    tracked = {s for s, _ in scalars.get(M.ACTIVATION_PEAK, [])}
+    times = [v for s, v in scalars.get(M.STEP_MS, []) if s > warmup and s not in tracked]
     if len(times) < 4:
         return None
     q1, median, q3 = statistics.quantiles(times, n=4)
     return (q3 - q1) / median if median > 0 else None
 
 
-def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series of a run's TensorBoard events, as (step, value) lists; {} when there are none."""
-    if not tb_dir.is_dir():
+def read_scalars(job_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a job's TensorBoard events (in its folder, or its tb/ folder as older runs wrote
+    them), as (step, value) lists; {} when there are none."""
+    if not job_dir.is_dir():
         return {}
-    files = sorted(tb_dir.rglob("events.out.tfevents.*"))
+    files = sorted(job_dir.glob("events.out.tfevents.*"))
+    if (job_dir / "tb").is_dir():
+        files += sorted((job_dir / "tb").rglob("events.out.tfevents.*"))
     if not files:
         return {}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -257,7 +238,8 @@ def _rank(seq: tuple[str, ...], value: str | None) -> tuple[int, str]:
 def sort_key(job: Job) -> tuple[Any, ...]:
     return (
         _rank(STATUS_ORDER, job.status),
-        _rank(POLICY_ORDER, job.policy),
+        _rank(tuple(POLICIES), job.policy),
+        job.loss or "",
         -(job.batch_size or 0),  # the largest micro-batch (fewest accumulation steps) first
         job.accum or 0,
         job.precision or "",
@@ -285,10 +267,15 @@ def choose_metric(jobs: list[Job], metric: str = "auto") -> str:
 
 
 def attach_baselines(jobs: list[Job], metric: str) -> None:
-    """Ratios vs the `none` job of the same micro-batch, accum and precision, else vs the first `none` job."""
+    """Ratios vs the `none` job of the same micro-batch, accum, precision and loss head, else vs the first `none`
+    job."""
     nones = [j for j in jobs if j.policy == "none" and j.status == "completed"]
+
+    def split(j: Job) -> tuple[Any, ...]:
+        return (j.batch_size, j.accum, j.precision, j.loss)
+
     for job in jobs:
-        same = [n for n in nones if (n.batch_size, n.accum, n.precision) == (job.batch_size, job.accum, job.precision)]
+        same = [n for n in nones if split(n) == split(job)]
         base = same[0] if same else (nones[0] if nones else None)
         job.baseline, job.baseline_exact = base, bool(same)
         if base is None:
@@ -351,7 +338,7 @@ def columns(jobs: list[Job]) -> list[tuple[str, str, int]]:
 
 def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
     cols = columns(jobs)
-    header = ["job", "policy", "micro-batch", "accum", "precision", "status", "steps"]
+    header = ["job", "policy", "loss", "micro-batch", "accum", "precision", "status", "steps"]
     header += [c[0] for c in cols] + ["mem ×none", "time ×none", "train loss", "val loss"]
     rows = []
     for j in jobs:
@@ -359,6 +346,7 @@ def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
         row = [
             j.ident,
             j.policy or "?",
+            j.loss or "—",
             str(j.batch_size) if j.batch_size is not None else "—",
             str(j.accum) if j.accum is not None else "—",
             j.precision or "—",
@@ -381,7 +369,7 @@ def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
 
 def markdown_table(jobs: list[Job]) -> str:
     header, rows = table_rows(jobs)
-    text = {1, 4, 5}  # policy, precision, status: left; numbers right
+    text = {1, 2, 5, 6}  # policy, loss, precision, status: left; numbers right
     align = ["---" if i in text else "---:" for i in range(len(header))]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -392,6 +380,7 @@ CSV_FIELDS = (
     "job",
     "folder",
     "policy",
+    "loss",
     "batch_size",
     "accum",
     "precision",
@@ -420,6 +409,7 @@ def write_csv(jobs: list[Job], path: Path) -> None:
                     "job": j.ident,
                     "folder": j.name,
                     "policy": j.policy,
+                    "loss": j.loss,
                     "batch_size": j.batch_size,
                     "accum": j.accum,
                     "precision": j.precision,
@@ -444,7 +434,7 @@ def _policy_colors(jobs: list[Job]) -> dict[str | None, Any]:
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
-    policies = sorted({j.policy for j in jobs}, key=lambda p: _rank(POLICY_ORDER, p))
+    policies = sorted({j.policy for j in jobs}, key=lambda p: _rank(tuple(POLICIES), p))
     return {p: cmap(i % 10) for i, p in enumerate(policies)}
 
 

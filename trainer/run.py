@@ -20,7 +20,7 @@ import os
 import resource
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,11 @@ from callbacks.measure import MeasureCallback
 from callbacks.planner import AutoPlanCallback
 from callbacks.snapshot import MemorySnapshot
 from callbacks.tb_layout import write_tb_layout
-from models.gpt import GPTConfig
+from models.hf import HFModelError, max_positions
+from trainer import metrics, precision
 from trainer.data import DataError, TextDataModule
 from trainer.memory import MIB
-from trainer.module import GPTModule
+from trainer.module import DecoderModule
 from trainer.policies import PolicyError, build_policy, policy_params
 from trainer.progress import sweep_progress
 from trainer.schema import Config, ConfigError, TrainerConfig, validate
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 if logging.getLogger().hasHandlers():
     logging.getLogger("lightning").handlers.clear()
 
-USER_ERRORS = (ConfigError, PolicyError, DataError)
+USER_ERRORS = (ConfigError, PolicyError, DataError, HFModelError)
 HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before our code runs
 
 
@@ -72,21 +73,49 @@ def one_line(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def run_device_type(cfg: Config) -> str:
+    """The device type Lightning will train on (trainer.accelerator=auto takes CUDA where there is one)."""
+    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
+    return "cuda" if cuda else "cpu"
+
+
 def preflight(cfg: Config, run_dir: Path) -> Path | None:
-    """Refuse what the device, the folder or the checkpoint cannot do, before any data is read.
+    """Refuse what the device, the folder or the checkpoint cannot do, before any data is read; settle
+    `precision=auto` (cfg.precision becomes what will run; one line says why).
 
     Returns the checkpoint to resume from, already proven loadable."""
-    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-    if cfg.precision == "16-mixed" and not cuda:
-        raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=bf16-mixed or 32-true on CPU")
-    if cfg.precision.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
+    device = run_device_type(cfg)
+    chosen, why = precision.resolve(cfg.precision, device)
+    if cfg.precision == "auto":
+        log.info(why)
+    cfg.precision = chosen
+    if chosen == "16-mixed" and device != "cuda":
+        raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=auto, bf16-mixed or 32-true on CPU")
+    if chosen.startswith("bf16") and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
-            f"precision={cfg.precision}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
+            f"precision={chosen}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
             "use precision=16-mixed or 32-true"
         )
+    warning = precision.emulation_warning(chosen, device)
+    if warning:
+        log.warning(warning)
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
     return checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
+
+
+def hf_config_for(cfg: Config) -> Any:
+    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), and the
+    sequence length checked against its positions."""
+    if cfg.model.family != "hf":
+        return None
+    from models.hf import load_config
+
+    hf_config = load_config(str(cfg.model.name_or_path))
+    limit = max_positions(hf_config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model.name_or_path}'s {limit} positions; lower seq_len")
+    return hf_config
 
 
 def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
@@ -136,7 +165,7 @@ def _data_segment_bytes() -> int:
     return 0
 
 
-def lightning_strategy(t: TrainerConfig) -> Any:
+def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any:
     """Config names → Lightning strategies; the two FSDP flavours need objects, not strings."""
     name = t.strategy
     if name == "fsdp2":
@@ -151,10 +180,8 @@ def lightning_strategy(t: TrainerConfig) -> Any:
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
-        from models.gpt import Block
-
-        # No activation_checkpointing_policy here: the project's policy already runs inside each Block.
-        return FSDPStrategy(auto_wrap_policy={Block})
+        # Each decoder layer a unit. No activation_checkpointing_policy: the project's policy already runs inside.
+        return FSDPStrategy(auto_wrap_policy={layer_class} if layer_class else None)
     return name
 
 
@@ -162,17 +189,6 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, path)
-
-
-def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}; "
-            "leave it null to take the tokenizer's size"
-        )
-    values = {f.name: getattr(cfg.model, f.name) for f in fields(GPTConfig)}
-    values["vocab_size"] = cfg.model.vocab_size or vocab_size
-    return GPTConfig(**values)
 
 
 def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
@@ -184,23 +200,51 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
     try:  # everything that can refuse the run, before anything is written
         config = cfg if isinstance(cfg, Config) else validate(cfg)
         policy = build_policy(config.policy)
-        policy.check(config.model.n_layer, config.model.attention)
+        if config.model.family != "hf":
+            policy.check(config.model.n_layer, config.model.attention)
         resume_from = preflight(config, run_dir)
+        hf_config = hf_config_for(config)
         L.seed_everything(config.seed, workers=True, verbose=False)
-        data = TextDataModule(config.data, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed)
+        data = TextDataModule(
+            config.data,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
+        )
         data.prepare_data()
         data.setup("fit")
-        module = GPTModule(
-            model_config(config, data.vocab_size),
+        module = DecoderModule(
+            config.model,
             policy,
             config.optim,
             max_steps=config.trainer.max_steps,
             compile=config.trainer.compile,
+            loss=config.loss,
+            vocab_size=vocab_for(config, data.vocab_size),
+            hf_config=hf_config,
         )
+        run = Run(config, run_dir, data, module, callbacks or [])
     except USER_ERRORS:
         discard_run_dir(run_dir)
         raise
-    return Run(config, run_dir, data, module, callbacks or []).fit(resume_from)
+    except Exception as e:  # Lightning refusing a Trainer argument (trainer.devices=0, ...): one line too
+        if type(e).__name__ != "MisconfigurationException":
+            raise
+        discard_run_dir(run_dir)
+        raise ConfigError(f"trainer: {one_line(e)}; see conf/trainer/ for the options") from None
+    return run.fit(resume_from)
+
+
+def vocab_for(config: Config, tokenizer_vocab: int) -> int:
+    """The vocabulary a native model is built with; an HF model's own must cover the tokenizer's ids."""
+    v = config.model.vocab_size
+    if v is not None and v < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={v} is smaller than the tokenizer's {tokenizer_vocab}; "
+            "leave it null to take the tokenizer's size"
+        )
+    return tokenizer_vocab
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -213,11 +257,13 @@ class Run:
     """The Trainer and its callbacks for one configuration, and the summary they produce."""
 
     def __init__(
-        self, config: Config, run_dir: Path, data: TextDataModule, module: GPTModule, extra: list[L.Callback]
+        self, config: Config, run_dir: Path, data: TextDataModule, module: DecoderModule, extra: list[L.Callback]
     ) -> None:
         self.config, self.run_dir, self.data, self.module = config, run_dir, data, module
         t = config.trainer
-        self.measure = MeasureCallback(config.measure.warmup_steps, config.measure.activation_every_n_steps)
+        self.measure = MeasureCallback(
+            config.measure.warmup_steps, config.measure.activation_every_n_steps, max_steps=t.max_steps
+        )
         self.guard = NumericGuard(t.on_nonfinite)
         # policy=auto plans at fit start from a profile of the real batch; after `measure`, so it sees each step.
         self.planner = AutoPlanCallback() if module.policy.cfg.name == "auto" else None
@@ -256,7 +302,7 @@ class Run:
             log_every_n_steps=1,
             accelerator=t.accelerator,
             devices=t.devices,
-            strategy=lightning_strategy(t),
+            strategy=lightning_strategy(t, type(module.adapter.layers[0])),
             num_nodes=t.num_nodes,
             logger=self.logger,
             callbacks=callbacks,
@@ -268,11 +314,20 @@ class Run:
 
     def fit(self, resume_from: Path | None = None) -> dict[str, Any]:
         config, module, data = self.config, self.module, self.data
+        vocab = module.adapter.head.weight.shape[0]
+        if data.vocab_size > vocab:
+            raise ConfigError(
+                f"the tokenizer's {data.vocab_size} ids do not fit {config.model.name}'s vocabulary of {vocab}; "
+                "use data.tokenizer=model or a smaller data.bpe_vocab_size"
+            )
         log.info(
-            "policy=%s plan=%s | %s params | %d train / %d val tokens",
+            "model=%s policy=%s plan=%s loss=%s precision=%s | %s params | %d train / %d val tokens",
+            config.model.name,
             module.policy.cfg.name,
             "chosen at fit start" if self.planner else module.model.activation_plan.describe(),
-            f"{module.model.num_parameters():,}",
+            config.loss.name,
+            config.precision,
+            f"{module.adapter.num_parameters():,}",
             data.train_tokens,
             data.val_tokens,
         )
@@ -320,13 +375,14 @@ class Run:
             "policy": m.policy.cfg.name,
             "policy_params": policy_params(m.policy),
             "plan": m.model.activation_plan.describe(),
+            "loss": asdict(c.loss),
             "accum": c.accum,
             "precision": c.precision,
             "batch_size": c.batch_size,
             "seq_len": c.seq_len,
             "tokens_per_step": c.tokens_per_step,
             "seed": c.seed,
-            "model": {**asdict(m.model_config), "name": c.model.name, "params": m.model.num_parameters()},
+            "model": {"name": c.model.name, **m.adapter.describe()},
             "data": {
                 "source": c.data.source,
                 "tokenizer": c.data.tokenizer,
@@ -343,15 +399,18 @@ class Run:
         trainer = self.trainer
         if trainer.world_size == 1:
             return []
-        act = self.measure.summary()["activation_peak_mib"] or 0.0
+        act = self.measure.summary()["activation_peak_mib"]
         with torch.no_grad():
             # Full tensors under FSDP2 (DTensor shards are gathered), plain ones under DDP.
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.module.parameters()]
             checksum = sum(float(p.double().sum()) for p in params)
-        local = torch.tensor([act, checksum], dtype=torch.float64, device=self.module.device)
+        # NaN crosses the all-gather for "not measured" (a run shorter than the tracked step); it is null in JSON.
+        local = torch.tensor(
+            [math.nan if act is None else act, checksum], dtype=torch.float64, device=self.module.device
+        )
         gathered = trainer.strategy.all_gather(local).cpu()  # (world, 2)
         return [
-            {"rank": r, "activation_peak_mib": float(a), "param_checksum": float(c)}
+            {"rank": r, "activation_peak_mib": None if math.isnan(a) else float(a), "param_checksum": float(c)}
             for r, (a, c) in enumerate(gathered.tolist())
         ]
 
@@ -359,40 +418,40 @@ class Run:
         """summary.json and the HParams entry, once (rank 0)."""
         if self.trainer.is_global_zero:
             write_json_atomic(self.run_dir / "summary.json", summary)
-            self.logger.log_hyperparams(hparams(self.config, summary["status"]), metrics=hparam_metrics(summary))
+            model = self.module.adapter.describe()
+            self.logger.log_hyperparams(hparams(self.config, summary["status"], model), metrics=hparam_metrics(summary))
             self.logger.finalize("success" if summary["status"] == "completed" else "failed")
         return summary
 
 
-def hparams(config: Config, status: str) -> dict[str, Any]:
-    """What a sweep varies, flat, for TensorBoard's HParams tab (status too: failed jobs stay in the table)."""
-    return {
-        "status": status,
+def hparams(config: Config, status: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a sweep varies, flat, for TensorBoard's HParams tab: the columns a sweep compares first (policy, loss,
+    accum, micro-batch, precision, model; metrics.HPARAM_ORDER), then status (failed jobs stay in the table), then
+    the shape. `model`: the built model's `describe()` (an HF model's shape comes from its config)."""
+    m = config.model
+    shape = model or {"n_layer": m.n_layer, "n_embd": m.n_embd}
+    values = {
         "policy": config.policy["name"] if isinstance(config.policy, dict) else config.policy.name,
+        "loss": config.loss.name,
         "accum": config.accum,
         "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
         "precision": config.precision,
-        "model": config.model.name,
-        "n_layer": config.model.n_layer,
-        "n_embd": config.model.n_embd,
-        "attention": config.model.attention,
-        "dropout": config.model.dropout,
+        "model": m.name,
+        "status": status,
+        "seq_len": config.seq_len,
+        "n_layer": shape.get("n_layer"),
+        "n_embd": shape.get("n_embd"),
+        "attention": m.attention,
+        "dropout": m.dropout if m.dropout is not None else "config",
         "seed": config.seed,
     }
+    return {k: values[k] for k in metrics.HPARAM_ORDER} | values
 
 
 def hparam_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """Every key on every job, NaN where a figure was not measured: TensorBoard takes the HParams columns from the
     first job it reads, and Lightning writes no HParams entry at all for a job with no metrics (an early OOM)."""
-    keys = (
-        "median_step_ms",
-        "tokens_per_s",
-        "activation_peak_mib",
-        "peak_total_mib",
-        "peak_allocated_mib",
-        "final_train_loss",
-        "final_val_loss",
-        "steps",
-    )
-    return {f"hparams/{k}": float(summary[k]) if summary.get(k) is not None else math.nan for k in keys}
+    return {
+        metrics.hparam_tag(k): float(summary[k]) if summary.get(k) is not None else math.nan
+        for k in metrics.SUMMARY_FIGURES
+    }

@@ -14,9 +14,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models.gpt import GPTConfig
-
-PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed")
+from models import FAMILIES, NATIVE, native_config
+from trainer.loss import LossConfig
+from trainer.precision import PRECISIONS
 
 
 class ConfigError(ValueError):
@@ -24,9 +24,41 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class ModelConfig(GPTConfig):
+class ModelConfig:
+    """One node for every family (models/): the shape fields the native decoders share, the LLaMA-only ones, and
+    the Hugging Face ones. A family ignores the fields it has no use for."""
+
     name: str = "tiny"
-    vocab_size: int | None = None  # type: ignore[assignment]  # None: take it from the tokenizer
+    family: str = "gpt"  # gpt (models/gpt.py) | llama (models/llama.py) | hf (a Hugging Face causal LM)
+    vocab_size: int | None = None  # None: take it from the tokenizer (an HF model keeps its own)
+    block_size: int = 256  # longest context (HF: from its config.json)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    n_kv_head: int | None = None  # llama: grouped-query attention's key/value heads; None = n_head
+    mlp_hidden: int | None = None  # llama: SwiGLU hidden size; None = LLaMA's rule from n_embd
+    dropout: float | None = 0.1  # hf: None keeps the config's probabilities
+    bias: bool = True  # gpt only (LLaMA has none)
+    attention: str = "eager"  # eager (T×T scores kept: what `selective` drops) | sdpa (fused kernel)
+    tie_embeddings: bool = True  # lm_head shares the token embedding
+    norm_eps: float = 1e-5  # llama
+    rope_theta: float = 10000.0  # llama
+    name_or_path: str | None = None  # hf: a hub id or a local folder with config.json
+    pretrained: bool = False  # hf: load its weights (true) or initialise from the config (false)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family={self.family!r}; choose one of: {', '.join(FAMILIES)}")
+        if self.attention not in ("eager", "sdpa"):
+            raise ValueError(f"model.attention={self.attention!r} must be 'eager' or 'sdpa'")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.family in NATIVE:
+            if self.dropout is None:
+                raise ValueError(f"model.dropout=null is for model=hf; give the {self.family} model a number")
+            native_config(self)  # the family's own range checks (n_head ÷ n_kv_head, ...)
+        elif not self.name_or_path:
+            raise ValueError("model=hf needs model.name_or_path=<hub id or a local folder with config.json>")
 
 
 @dataclass
@@ -38,7 +70,7 @@ class DataConfig:
     config_name: str | None = None  # hub: e.g. "wikitext-103-raw-v1"
     split: str = "train"  # hub split to read
     text_field: str = "text"  # hub column holding the text
-    tokenizer: str = "byte"  # byte (vocab 256) | bpe (trained on the train split, cached)
+    tokenizer: str = "byte"  # byte (vocab 256) | bpe (trained on the train split, cached) | model (model=hf's own)
     bpe_vocab_size: int = 4096
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None: $CKPTLAB_CACHE or ~/.cache/ckptlab/data
@@ -131,8 +163,10 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     accum: int = 1  # micro-batches per optimizer step (Lightning's accumulate_grad_batches)
-    precision: str = "bf16-mixed"
+    # auto: bf16-mixed where bf16 is native (CUDA with bf16, a CPU with AVX512-BF16/AMX), else 32-true
+    precision: str = "auto"
     seed: int = 1337
     batch_size: int = 4  # micro-batch size, in sequences
     seq_len: int = 256  # tokens per sequence; ≤ model.block_size
@@ -146,13 +180,19 @@ class Config:
             raise ValueError(f"batch_size={self.batch_size} must be ≥ 1")
         if self.seq_len < 1:
             raise ValueError(f"seq_len={self.seq_len} must be ≥ 1")
-        if self.seq_len > self.model.block_size:
+        if self.model.family != "hf" and self.seq_len > self.model.block_size:  # hf: checked once its config is read
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds model.block_size={self.model.block_size}; "
                 f"lower seq_len or raise model.block_size"
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+        tokens = self.batch_size * self.seq_len
+        if self.loss.name != "standard" and self.loss.chunk_tokens > tokens:
+            raise ValueError(
+                f"loss.chunk_tokens={self.loss.chunk_tokens} is larger than the micro-batch's {tokens} tokens "
+                f"(batch_size × seq_len); give loss.chunk_tokens ≤ {tokens}"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -197,7 +237,7 @@ def describe_user_error(e: BaseException) -> str | None:
     if isinstance(e, OmegaConfBaseException):
         key = getattr(e, "full_key", "") or ""
         return f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
-    if type(e).__name__ in ("ConfigError", "PolicyError", "DataError"):
+    if type(e).__name__ in ("ConfigError", "PolicyError", "DataError", "HFModelError"):
         return str(e).splitlines()[0]
     if isinstance(e, OSError) and e.filename:  # e.g. Hydra creating a run folder where it cannot
         return f"cannot write {e.filename}: {e.strerror}; pass hydra.run.dir=<a writable folder>"

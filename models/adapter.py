@@ -1,0 +1,169 @@
+"""The decoder contract: the one view of a model that policies, the planner, the estimator, FSDP2 and the
+LightningModule use. Nothing outside models/ names a model class or reaches into one.
+
+    adapter = adapter_for(model)
+    adapter.layers                 the decoder layers, in order (nn.ModuleList). Each is called by the model as
+                                   layer(hidden, *context, **context) -> hidden: GPT passes nothing else, LLaMA
+                                   the rotary cos/sin, a Hugging Face model its mask, positions and rotary table.
+                                   A policy may replace a layer's forward (`override_forward`); the model's own
+                                   loop still calls every layer in order, with the context it always passes.
+    adapter.hidden(idx)            (B, T) token ids -> (B, T, C) final-norm hidden states
+    adapter.head                   the output projection (weight (V, C), bias or None): the loss reads it
+    adapter.attention              "eager" | "sdpa": is there a T×T score tensor for `selective` to drop?
+    adapter.wrap_core_attention(i, wrapper)
+                                   the attention seam: layer i's core attention (GQA key/value repeat, QKᵀ,
+                                   softmax, dropout, ·V) runs as wrapper(core, *args, **kwargs); None restores it
+    adapter.describe()             family and shape, for summaries and the estimator's header
+
+Two kinds of model meet it: this project's own decoders (models/gpt.py, models/llama.py: `layers`,
+`hidden_states`, `lm_head`, and a `core_attention` method on each layer's `attn`), and Hugging Face causal LMs
+(models/hf.py), whose attention seam is an `AttentionInterface` function.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+Wrapper = Callable[..., Any]  # wrapper(fn, *args, **kwargs): runs fn(*args, **kwargs), e.g. under a checkpoint
+
+
+class DecoderAdapter:
+    """Base: what every family shares (layer forward overrides); subclasses say where things are."""
+
+    family: str = "?"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    # -- where things are (per family) ---------------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def head(self) -> nn.Linear:
+        raise NotImplementedError
+
+    @property
+    def attention(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def has_eager_path(self) -> bool:
+        """Can this model run an explicit (T×T) attention core at all, whatever it is configured to run?"""
+        return True
+
+    def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------------------------------
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tied_head(self) -> bool:
+        emb = self.embedding
+        return emb is not None and self.head.weight is emb.weight
+
+    @property
+    def embedding(self) -> nn.Embedding | None:
+        """The token embedding (the first nn.Embedding whose rows are the vocabulary)."""
+        vocab = self.head.weight.shape[0]
+        embeddings = (m for m in self.model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
+        return next(embeddings, None)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def override_forward(self, i: int, fn: Callable[..., torch.Tensor] | None) -> None:
+        """Run layer i's calls through `fn` (an instance attribute, so no module is wrapped and state_dict keys
+        stay as they are); None restores the class's forward."""
+        layer = self.layers[i]
+        if fn is None:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.forward = fn
+
+    def original_forward(self, i: int) -> Callable[..., torch.Tensor]:
+        """Layer i's own forward, bypassing an override (and, being a bound method, bypassing module hooks)."""
+        layer = self.layers[i]
+        return type(layer).forward.__get__(layer)
+
+
+class NativeAdapter(DecoderAdapter):
+    """This project's decoders: `model.layers`, `model.hidden_states`, `model.lm_head`, `layer.attn.core_attention`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.family = type(model).__name__.lower()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model.hidden_states(idx)
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.model.lm_head
+
+    @property
+    def attention(self) -> str:
+        return self.model.config.attention
+
+    def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
+        attn = self.layers[i].attn
+        if wrapper is None:
+            attn.__dict__.pop("core_attention", None)
+            return
+        core = type(attn).core_attention.__get__(attn)  # the class's method: a wrapper never wraps itself
+        attn.core_attention = functools.partial(wrapper, core)
+
+    def describe(self) -> dict[str, Any]:
+        c = self.model.config
+        return {
+            "family": self.family,
+            "n_layer": c.n_layer,
+            "n_embd": c.n_embd,
+            "n_head": c.n_head,
+            "n_kv_head": getattr(c, "n_kv_head", None) or c.n_head,
+            "vocab_size": c.vocab_size,
+            "block_size": c.block_size,
+            "attention": c.attention,
+            "dropout": c.dropout,
+            "tied_head": self.tied_head,
+            "params": self.num_parameters(),
+        }
+
+
+def adapter_for(model: nn.Module) -> DecoderAdapter:
+    """The contract for `model`: a Hugging Face PreTrainedModel or one of this project's decoders."""
+    cached = model.__dict__.get("_decoder_adapter")
+    if cached is not None:
+        return cached
+    if hasattr(model, "hidden_states") and hasattr(model, "layers") and hasattr(model, "lm_head"):
+        adapter: DecoderAdapter = NativeAdapter(model)
+    elif hasattr(model, "get_output_embeddings") and hasattr(model, "base_model"):
+        from models.hf import HFAdapter
+
+        adapter = HFAdapter(model)
+    else:
+        raise TypeError(
+            f"{type(model).__name__} does not meet the decoder contract (models/adapter.py): it needs decoder "
+            "layers, final hidden states and an output projection"
+        )
+    model.__dict__["_decoder_adapter"] = adapter  # not a submodule, not in state_dict
+    return adapter

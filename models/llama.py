@@ -1,0 +1,240 @@
+"""A LLaMA-style decoder in the nanoGPT mould: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
+
+Plain PyTorch, like models/gpt.py, and the same contract (models/adapter.py): `layers` (each called as
+`layer(x, cos, sin)`: the rotary table is the context a layer needs besides the residual stream),
+`hidden_states(idx)`, `lm_head`, and the attention seam `Attention.core_attention` (the GQA key/value repeat,
+QKᵀ, causal softmax, dropout, ·V), which `selective` recomputes.
+
+Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), so a
+state_dict converts by prefix and the tests hold the numerics to the HF reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256  # set from the tokenizer at build time
+    block_size: int = 256  # longest context the rotary table covers
+    n_layer: int = 6
+    n_head: int = 8
+    # Grouped-query attention: n_head query heads share n_kv_head key/value heads (LLaMA-3: 32 / 8). None: n_head.
+    n_kv_head: int | None = None
+    n_embd: int = 256
+    # SwiGLU hidden size. None: LLaMA's rule, 2/3 of 4·n_embd rounded up to a multiple of 256 (11008 at 4096).
+    mlp_hidden: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # LLaMA-2: 1e4; LLaMA-3: 5e5
+    # LLaMA trains without dropout; on, it drops attention probabilities and both residual branches, and
+    # recompute must replay the same masks.
+    dropout: float = 0.0
+    tie_embeddings: bool = False  # LLaMA-3.2-1B ties lm_head to the embedding; 7B/8B do not
+    # "sdpa": fused scaled_dot_product_attention (GQA inside the kernel, no T×T scores kept); "eager": explicit
+    # softmax(QKᵀ)V that stores them, the path `selective` recomputes.
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be ≥ 1")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}; "
+                "pick n_kv_head as a divisor of n_head"
+            )
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} / model.n_head={self.n_head} must be an even whole head size "
+                "(rotary positions rotate pairs of channels)"
+            )
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 256 * math.ceil(int(2 * 4 * self.n_embd / 3) / 256)
+        if self.mlp_hidden < 1:
+            raise ValueError(f"model.mlp_hidden={self.mlp_hidden} must be ≥ 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"model.attention={self.attention!r} must be 'sdpa' or 'eager'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def rotary_table(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position × frequency, (block_size, head_dim), in HF's half-rotation layout."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    t = torch.arange(config.block_size, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)  # (block_size, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (block_size, d)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) rotated by position; cos/sin (T, head_dim) broadcast over batch and heads."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """LLaMA's norm: x / rms(x) · weight, computed in fp32 whatever the input dtype (as the HF reference does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        assert config.n_kv_head is not None
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.dropout = config.dropout
+        self.attention = config.attention
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, heads·head_dim) -> (B, heads, T, head_dim)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = self.core_attention(q, k, v)
+        # (B, n_head, T, head_dim) -> (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.o_proj(y)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """GQA repeat → QKᵀ → causal softmax → dropout → ·V: the unit `selective` recomputes."""
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":  # the fused kernel shares each key/value head itself
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+        groups = self.n_head // self.n_kv_head
+        k = k.repeat_interleave(groups, dim=1)  # (B, n_kv_head, T, hd) -> (B, n_head, T, hd)
+        v = v.repeat_interleave(groups, dim=1)
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, n_head, T, T)
+        att = att.masked_fill(~self.causal_mask[:T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        assert config.mlp_hidden is not None
+        self.gate_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    @property
+    def attn(self) -> Attention:
+        return self.self_attn
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+        x = x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))
+        return x
+
+
+class Decoder(nn.Module):
+    """Embedding, layers and final norm: HF's `LlamaModel`, so parameter names match under `model.`."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        cos, sin = rotary_table(config)
+        # Buffers, not parameters, and non-persistent: state_dict keys are the weights alone.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # HF's LlamaPreTrainedModel: normal(0, 0.02) for every matmul and the embedding; norms start at 1.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        # The rotary table in the residual stream's dtype (bf16 weights: bf16), as HF casts it.
+        cos, sin = self.model.rope_cos[:T].to(x.dtype), self.model.rope_sin[:T].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss

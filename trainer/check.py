@@ -1,0 +1,245 @@
+"""Is this policy exact on my model? A few training steps under the policy and under `none`, compared.
+
+    python -m trainer.check model=llama-tiny policy=selective accum=2
+    python -m trainer.check model=llama-tiny policy=auto policy.budget_mib=120
+    python -m trainer.check model=hf model.name_or_path=<folder> policy=op_sac --steps 3
+
+The same overrides as train.py compose the same config. Two modules are built from the same seed (the same
+weights), one under `none` and one under the configured policy (`auto` plans first, as at fit start), and both run
+`--steps` optimizer steps (`trainer.step.bare_step`, as Lightning runs a step) on the same real micro-batches from
+the configured data, with the RNG reset to the same state before each step, so dropout draws the same masks. After
+each step's backward, every parameter's gradient is compared, and each step's loss.
+
+Exit 0 when everything is equal: bitwise, where the arithmetic is the same (recompute replays the same kernels on
+the same inputs: CPU), or within `--tolerance` (relative) where it need not be (CUDA kernels that accumulate in a
+different order, torch.compile: default 1e-5 there). Exit 1 with one line naming the first differing parameter.
+Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn
+
+import torch
+
+from trainer import precision as precision_
+from trainer import step as step_
+
+
+@dataclass
+class Difference:
+    """The largest difference seen in one parameter group over the steps."""
+
+    group: str
+    params: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    first: str = ""  # the first parameter (in model order) that differed beyond the tolerance
+    first_step: int = -1
+
+
+@dataclass
+class CheckResult:
+    policy: str
+    plan: str
+    steps: int
+    tolerance: float
+    exact: bool  # tolerance 0: bitwise
+    losses: list[tuple[float, float]] = field(default_factory=list)  # (none, policy) per step
+    groups: dict[str, Difference] = field(default_factory=dict)
+    first_failure: str | None = None
+
+    @property
+    def equal(self) -> bool:
+        return self.first_failure is None
+
+
+def group_of(name: str) -> str:
+    """A parameter's group: its name up to the layer index ("model.layers.3"), else its first component."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    diff = (a.double() - b.double()).abs()
+    scale = b.double().abs().max().item() or 1.0
+    m = diff.max().item() if diff.numel() else 0.0
+    return m, m / scale
+
+
+def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> CheckResult:
+    """Compare `steps` steps of config.policy with `none` from the same weights and batches (see the module doc)."""
+    from trainer.data import TextDataModule
+    from trainer.module import DecoderModule
+    from trainer.planner import config_device, default_optimizer, head_candidates, plan_model
+    from trainer.policies import apply_policy, build_policy
+    from trainer.run import hf_config_for, vocab_for
+
+    device = config_device(config)
+    chosen, _ = precision_.resolve(config.precision, device.type)
+    compiled = bool(config.trainer.compile)
+    if tolerance is None:
+        tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
+    policy = build_policy(config.policy)
+    hf_config = hf_config_for(config)
+    data = TextDataModule(
+        config.data,
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
+    )
+    data.prepare_data()
+    data.setup("fit")
+    loader = iter(data.train_dataloader())
+    batches = [tuple(t.to(device) for t in next(loader)) for _ in range(steps * config.accum)]
+    plugin = precision_.plugin(chosen, device.type)
+
+    def build(p: Any) -> DecoderModule:
+        torch.manual_seed(config.seed)
+        m = DecoderModule(
+            config.model,
+            p,
+            config.optim,
+            max_steps=config.trainer.max_steps,
+            loss=config.loss,
+            vocab_size=vocab_for(config, data.vocab_size),
+            hf_config=hf_config,
+        )
+        m = plugin.convert_module(m).to(device)
+        m.train()
+        return m
+
+    ref, mod = build("none"), build(policy)
+    if policy.cfg.name == "auto":
+        optimizer = default_optimizer(config.optim.weight_decay)
+        result = plan_model(
+            mod.model,
+            batches[0],
+            policy.cfg,
+            loss_fns=head_candidates(mod, policy.cfg),
+            precision=chosen,
+            accum=config.accum,
+            make_optimizer=optimizer,
+            grad_clip=config.trainer.grad_clip,
+        )
+        policy.choose(result.treatments)  # type: ignore[attr-defined]
+        apply_policy(mod.model, policy)
+        if result.loss and result.loss != mod.loss_config.name:  # the plan's head, on both sides
+            mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)
+    if compiled:
+        ref.configure_model()
+        mod.configure_model()
+    for a, b in zip(ref.state_dict().values(), mod.state_dict().values(), strict=True):
+        assert torch.equal(a, b), "the two modules must start from the same weights"
+    out = CheckResult(policy.cfg.name, mod.model.activation_plan.describe(), steps, tolerance, tolerance == 0.0)
+    names = [n for n, p in mod.model.named_parameters() if p.requires_grad]
+    parts = {m: step_.optimizers_of(m) for m in (ref, mod)}
+    rng = torch.Generator().manual_seed(config.seed)
+    for s in range(steps):
+        micro = batches[s * config.accum : (s + 1) * config.accum]
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=rng))
+        grads: dict[int, list[torch.Tensor]] = {}
+        losses = []
+        for k, m in enumerate((ref, mod)):
+            opt, sched = parts[m]
+            torch.manual_seed(seed)
+            if device.type == "cuda":
+                torch.cuda.manual_seed_all(seed)
+
+            def keep(m: Any = m, k: int = k, out: dict[int, list[torch.Tensor]] = grads) -> None:
+                out[k] = [p.grad.detach().clone() for p in m.model.parameters() if p.requires_grad]
+
+            loss = step_.bare_step(m, micro, opt, sched, plugin, config.trainer.grad_clip, before_update=keep)
+            losses.append(float(loss))
+        out.losses.append((losses[0], losses[1]))
+        for name, g_ref, g in zip(names, grads[0], grads[1], strict=True):
+            d = out.groups.setdefault(group_of(name), Difference(group_of(name)))
+            if s == 0:
+                d.params += 1
+            m_abs, m_rel = _relative(g, g_ref)
+            d.max_abs, d.max_rel = max(d.max_abs, m_abs), max(d.max_rel, m_rel)
+            bad = not torch.equal(g, g_ref) if tolerance == 0.0 else m_rel > tolerance
+            if bad and out.first_failure is None:
+                out.first_failure = f"{name} at step {s}: max |Δgrad| {m_abs:.3g} ({m_rel:.3g} relative)"
+                d.first, d.first_step = name, s
+        l_ref, l_pol = losses
+        loss_bad = l_ref != l_pol if tolerance == 0.0 else abs(l_pol - l_ref) > tolerance * max(abs(l_ref), 1e-12)
+        if loss_bad and out.first_failure is None:
+            out.first_failure = f"the loss at step {s}: {l_pol!r} under {policy.cfg.name}, {l_ref!r} under none"
+    return out
+
+
+def render(result: CheckResult) -> str:
+    how = "bitwise" if result.exact else f"within {result.tolerance:g} relative"
+    lines = [
+        f"policy={result.policy} (plan {result.plan}) vs none: {result.steps} optimizer step(s) from the same weights "
+        f"and batches, the same dropout masks; compared {how}",
+        "",
+        "| step | loss (none) | loss (policy) | Δ |",
+        "|---:|---:|---:|---:|",
+    ]
+    for i, (a, b) in enumerate(result.losses):
+        lines.append(f"| {i} | {a:.6f} | {b:.6f} | {abs(a - b):.3g} |")
+    lines += ["", "| parameter group | tensors | max abs Δgrad | max relative Δgrad |", "|---|---:|---:|---:|"]
+    for d in result.groups.values():
+        lines.append(f"| {d.group} | {d.params} | {d.max_abs:.3g} | {d.max_rel:.3g} |")
+    lines.append("")
+    if result.equal:
+        lines.append(f"equal: every loss and gradient under {result.policy} matches none ({how})")
+    else:
+        lines.append(f"differs: {result.first_failure}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see python -m trainer.check --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps to compare (default 2)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative tolerance; default 0 (bitwise) on CPU, 1e-5 on CUDA or with trainer.compile=true",
+    )
+    args = parser.parse_intermixed_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be ≥ 1")
+    if args.tolerance is not None and (args.tolerance < 0 or math.isnan(args.tolerance)):
+        parser.error(f"--tolerance {args.tolerance} must be ≥ 0")
+
+    from trainer.estimate import compose_config
+    from trainer.schema import describe_user_error
+
+    try:
+        config = compose_config(args.overrides)
+        result = run_check(config, args.steps, args.tolerance)
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    print(render(result))
+    if not result.equal:
+        print(f"error: policy={result.policy} differs from none: {result.first_failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Metric tag names and summary keys, defined once: the measuring callbacks log them, the run writes them to
+summary.json and HParams, the report reads them back, and the TensorBoard layout charts them."""
+
+from __future__ import annotations
+
+# TensorBoard scalars, one point per optimizer step.
+TRAIN_LOSS = "train/loss"
+TRAIN_LR = "train/lr"
+GRAD_NORM = "train/grad_norm"
+STEP_MS = "time/step_ms"
+TOKENS_PER_S = "throughput/tokens_per_s"
+ACTIVATION_PEAK = "memory/activation_peak_mib"
+PEAK_TOTAL = "memory/peak_total_mib"
+PEAK_ALLOCATED = "memory/peak_allocated_mib"
+PEAK_RESERVED = "memory/peak_reserved_mib"
+ALLOC_RETRIES = "memory/alloc_retries"
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+CUDA_TAGS = (PEAK_ALLOCATED, PEAK_RESERVED, ALLOC_RETRIES)  # logged only where there is a CUDA device
+
+# summary.json keys of the run's figures (and, as hparams/<key>, the HParams tab's metric columns)
+STEPS = "steps"
+MEDIAN_STEP_MS = "median_step_ms"
+TOKENS_PER_S_KEY = "tokens_per_s"
+ACTIVATION_PEAK_KEY = "activation_peak_mib"
+PEAK_TOTAL_KEY = "peak_total_mib"
+PEAK_ALLOCATED_KEY = "peak_allocated_mib"
+PEAK_RESERVED_KEY = "peak_reserved_mib"
+FINAL_TRAIN_LOSS = "final_train_loss"
+FINAL_VAL_LOSS = "final_val_loss"
+SUMMARY_FIGURES = (
+    STEPS,
+    ACTIVATION_PEAK_KEY,
+    PEAK_TOTAL_KEY,
+    PEAK_ALLOCATED_KEY,
+    MEDIAN_STEP_MS,
+    TOKENS_PER_S_KEY,
+    FINAL_TRAIN_LOSS,
+    FINAL_VAL_LOSS,
+)
+
+# summary key -> the tag it is made from and how a run's steps reduce to it (the report's fallback for a job that
+# left no summary figure, and the callback's own reduction)
+FROM_TAG = {
+    ACTIVATION_PEAK_KEY: (ACTIVATION_PEAK, "max"),
+    PEAK_TOTAL_KEY: (PEAK_TOTAL, "max"),
+    PEAK_ALLOCATED_KEY: (PEAK_ALLOCATED, "max"),
+    PEAK_RESERVED_KEY: (PEAK_RESERVED, "max"),
+    MEDIAN_STEP_MS: (STEP_MS, "median"),
+    TOKENS_PER_S_KEY: (TOKENS_PER_S, "median"),
+    FINAL_TRAIN_LOSS: (TRAIN_LOSS, "last"),
+    FINAL_VAL_LOSS: (VAL_LOSS, "last"),
+    STEPS: (TRAIN_LOSS, "count"),
+}
+
+# What a sweep varies: the HParams tab's first columns, in this order (the rest follow).
+HPARAM_ORDER = ("policy", "loss", "accum", "batch_size", "precision", "model")
+
+
+def hparam_tag(key: str) -> str:
+    return f"hparams/{key}"

@@ -1,0 +1,370 @@
+"""Activation-memory policies: the registry (the only list of policies), the Plan, and `apply_policy(model, cfg)`.
+
+A policy decides, per decoder layer ("block"), how its activations survive until the backward. It says so as a
+`Plan`: segments of consecutive blocks, each run by one *treatment*:
+
+  none       keep everything (autograd's default)
+  full       keep only the segment's input; recompute its blocks in backward (torch.utils.checkpoint)
+  selective  keep everything but the core attention (GQA repeat, QKᵀ, softmax, dropout, ·V), recomputed
+  op_sac     per op: save the listed ops' outputs (matmuls, attention kernels), recompute the rest (torch SAC)
+  offload    keep everything, in host memory instead of the device
+
+A segment of one block is that block's treatment; a segment of several blocks is ONE region (`sqrt`, `every_k`:
+"full-group"). Treatments are policies too (`treatment = True`): `per_block` and `auto` name them per block, and
+the registry is the one list of them. Adding a policy is one class in library.py and one yaml in conf/policy/.
+
+`apply_policy` installs a plan through the decoder contract (models/adapter.py) and nothing else: a recomputed
+segment replaces its layers' `forward` (an instance attribute; the segment runs at its last layer's call, with
+every layer's own arguments, and the layers before it pass the residual stream through), and `selective` wraps
+each layer's attention seam. No module is wrapped, so `state_dict` keys never change and a checkpoint moves freely
+between policies; wrapping (torch's `checkpoint_wrapper`, which keeps keys too) could not express one region
+spanning several layers. Recompute uses non-reentrant checkpointing with the RNG state preserved, so dropout
+replays the same masks and gradients equal `none`'s bit for bit where the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.adapter import DecoderAdapter, adapter_for
+
+log = logging.getLogger(__name__)
+
+
+class PolicyError(ValueError):
+    """A bad policy name or parameter; the message is one line that names the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan: segments of blocks, each with a treatment.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first block index
+    stop: int  # one past the last block
+    treatment: str  # a registered treatment; a segment of several blocks is one region (a group)
+
+    @property
+    def group(self) -> bool:
+        return self.stop - self.start > 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def per_block(cls, treatments: Iterable[str]) -> Plan:
+        return cls(tuple(Segment(i, i + 1, t) for i, t in enumerate(treatments)))
+
+    @classmethod
+    def uniform(cls, n: int, treatment: str) -> Plan:
+        return cls.per_block([treatment] * n)
+
+    @classmethod
+    def groups(cls, n: int, size: int, treatment: str) -> Plan:
+        """Groups of `size` consecutive blocks (the last may be shorter); a group of one is that block alone."""
+        return cls(tuple(Segment(i, min(i + size, n), treatment) for i in range(0, n, size)))
+
+    @property
+    def n_layer(self) -> int:
+        return self.segments[-1].stop if self.segments else 0
+
+    @property
+    def treatments(self) -> tuple[str, ...]:
+        """One treatment per block."""
+        return tuple(s.treatment for s in self.segments for _ in range(s.start, s.stop))
+
+    def treatment_of(self, block: int) -> str:
+        for s in self.segments:
+            if s.start <= block < s.stop:
+                return s.treatment
+        raise IndexError(block)
+
+    def replace_treatments(self, change: Callable[[str], str]) -> Plan:
+        return Plan(tuple(Segment(s.start, s.stop, change(s.treatment)) for s in self.segments))
+
+    def describe(self) -> str:
+        """What runs how, block by block: e.g. "[0]:full [1]:selective [2-3]:none" or "[0-1]:full-group".
+
+        Consecutive single-block segments with the same treatment are merged ("[0-3]:full" = four per-block
+        checkpoints); a segment that runs several blocks as ONE region is shown as a group ("[0-1]:full-group"),
+        and adjacent groups stay separate.
+        """
+        runs: list[list[Any]] = []  # [start, stop, label, mergeable]
+        for s in self.segments:
+            if s.group:
+                runs.append([s.start, s.stop, f"{s.treatment}-group", False])
+            elif runs and runs[-1][3] and runs[-1][2] == s.treatment and runs[-1][1] == s.start:
+                runs[-1][1] = s.stop
+            else:
+                runs.append([s.start, s.stop, s.treatment, True])
+        return " ".join(
+            f"[{start}]:{label}" if stop - start == 1 else f"[{start}-{stop - 1}]:{label}"
+            for start, stop, label, _ in runs
+        )
+
+
+_said: set[str] = set()
+
+
+def say_once(msg: str) -> None:
+    """Log a notice once per process: a sweep of 50 steps must not repeat it 50 times."""
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy base class and the registry.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "none"
+
+
+class Policy:
+    """One activation-memory policy: a documented `Config` and a `plan`; a treatment also says how it runs a
+    segment (`run`) and whether it recomputes the attention core (`recomputes_core`)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[PolicyConfig]] = PolicyConfig
+    treatment: ClassVar[bool] = False  # a way to run one block that per_block and auto can name
+    recomputes_core: ClassVar[bool] = False  # wraps the attention seam in a checkpoint (selective)
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self._children: dict[str, Policy] = {}
+
+    def plan(self, n_layer: int) -> Plan:
+        """The blocks' treatments; a treatment's own plan is itself on every block."""
+        if not self.treatment:
+            raise NotImplementedError(type(self).__name__)
+        return Plan.uniform(n_layer, self.name)
+
+    def check(self, n_layer: int, attention: str) -> None:
+        """Refuse parameters that cannot fit this model, before any work starts (one-line PolicyError)."""
+
+    # -- treatments -------------------------------------------------------------------------------------------
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        """Run one segment: `fn(x)` runs its blocks on the residual stream x. `key`: the segment's first block."""
+        return fn(x)
+
+    @classmethod
+    def runs_as_is(cls) -> bool:
+        return cls.run is Policy.run
+
+    def effective(self, attention: str) -> str:
+        """The treatment this one amounts to on a model with this attention (selective without an eager core:
+        none), so a plan says what really runs."""
+        return self.name
+
+    def unavailable(self, attention: str, device_type: str) -> str | None:
+        """Why this treatment would change nothing here (the planner leaves it out and says so), or None."""
+        return None
+
+    def treatment_policy(self, name: str) -> Policy:
+        """The policy object that runs treatment `name` in this policy's plan, with this config's parameters of
+        the same names (a per_block's save_ops go to its op_sac blocks). One object per name, kept."""
+        if name == self.name:
+            return self
+        if name not in self._children:
+            cls = POLICIES.get(name)
+            if cls is None or not cls.treatment:
+                known = ", ".join(treatments())
+                raise PolicyError(f"policy {self.name}: unknown treatment {name!r}; choose from {known}")
+            params = {f.name: getattr(self.cfg, f.name) for f in fields(cls.Config) if hasattr(self.cfg, f.name)}
+            params["name"] = name
+            self._children[name] = build_policy(params)
+        return self._children[name]
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def treatments() -> tuple[str, ...]:
+    """The registered treatments, in registration order (what per_block and auto may name)."""
+    return tuple(n for n, c in POLICIES.items() if c.treatment)
+
+
+def check_treatments(names: Iterable[str], key: str) -> None:
+    """A config's list of treatment names, each registered (raises ValueError: a Config's __post_init__ check)."""
+    known = treatments()
+    for t in names:
+        if t not in known:
+            raise ValueError(f"unknown treatment {t!r} in policy.{key}; choose from {', '.join(known)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building and installing.
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_policy(cfg: Mapping[str, Any] | DictConfig | PolicyConfig | str) -> Policy:
+    """Validate a policy config (a Hydra node, a dict or a name) into a Policy, or raise a one-line PolicyError."""
+    if isinstance(cfg, str):
+        cfg = {"name": cfg}
+    if isinstance(cfg, PolicyConfig):
+        cfg = OmegaConf.structured(cfg)
+    name = cfg.get("name") if hasattr(cfg, "get") else None
+    if name not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(cls.Config), cfg)
+        typed = OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        msg = str(e).splitlines()[0]
+        raise PolicyError(f"policy {name}: {('policy.' + key + ': ') if key else ''}{msg}") from None
+    except ValueError as e:  # a Config.__post_init__ check
+        raise PolicyError(f"policy {name}: {e}") from None
+    return cls(typed)
+
+
+def policy_params(policy: Policy) -> dict[str, Any]:
+    return {f.name: getattr(policy.cfg, f.name) for f in fields(policy.cfg)}
+
+
+def resolve_plan(policy: Policy, adapter: DecoderAdapter) -> Plan:
+    """The policy's plan for this model, each treatment as it really runs here (`Policy.effective`)."""
+    attention = adapter.attention
+    return policy.plan(adapter.n_layer).replace_treatments(lambda t: policy.treatment_policy(t).effective(attention))
+
+
+def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig | str) -> Policy:
+    """Install a policy on any model that meets the decoder contract (models/adapter.py).
+
+    Idempotent and reversible: a previous policy is removed first; `remove_policy` restores the plain model. A
+    policy the model refuses (PolicyError) leaves the installed one in place.
+    """
+    policy = cfg if isinstance(cfg, Policy) else build_policy(cfg)
+    adapter = adapter_for(model)
+    policy.check(adapter.n_layer, adapter.attention)
+    plan = resolve_plan(policy, adapter)
+    remove_policy(model)
+    install_plan(adapter, plan, policy)
+    model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
+    model.activation_plan = plan  # type: ignore[assignment]
+    return policy
+
+
+def remove_policy(model: nn.Module) -> None:
+    adapter = adapter_for(model)
+    for i in range(adapter.n_layer):
+        adapter.override_forward(i, None)
+        adapter.wrap_core_attention(i, None)
+    model.__dict__.pop("activation_policy", None)
+    model.__dict__.pop("activation_plan", None)
+
+
+def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
+    """Put `plan` on the layers: core-attention wrappers for treatments that recompute it, forward overrides for
+    segments whose treatment runs them other than as they are."""
+    if plan.n_layer != adapter.n_layer:
+        raise PolicyError(f"policy {policy.cfg.name}: the plan covers {plan.n_layer} blocks, the model has "
+                          f"{adapter.n_layer}")  # fmt: skip
+    for seg in plan.segments:
+        tp = policy.treatment_policy(seg.treatment)
+        if tp.recomputes_core:
+            for i in range(seg.start, seg.stop):
+                adapter.wrap_core_attention(i, checkpointed)
+        if tp.runs_as_is():
+            continue
+        if seg.group:
+            runner = _GroupRunner(adapter, seg, tp)
+            for i in range(seg.start, seg.stop):
+                adapter.override_forward(i, functools.partial(runner.forward, i))
+        else:
+            adapter.override_forward(seg.start, functools.partial(_run_one, adapter.original_forward(seg.start), tp,
+                                                                  seg.start))  # fmt: skip
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` under non-reentrant checkpoint with the RNG state preserved (dropout replays);
+    `context_fn`: torch's selective-checkpoint contexts (op_sac)."""
+    if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to recompute
+        return fn(*args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _run_one(forward: Callable[..., torch.Tensor], tp: Policy, key: int, hidden: torch.Tensor, *args: Any,
+             **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    return tp.run(lambda x: forward(x, *args, **kwargs), hidden, key)
+
+
+class _GroupRunner:
+    """Several blocks as one region. The model's loop calls each layer in turn; the layers before the last pass the
+    residual stream through and note their arguments, and the last layer's call runs the whole segment under the
+    treatment, each block with its own arguments. Inside the segment (and its recompute in backward) the earlier
+    layers are called through the module again, so hooks on them (FSDP2's all-gather) still fire."""
+
+    def __init__(self, adapter: DecoderAdapter, seg: Segment, tp: Policy) -> None:
+        self.adapter, self.seg, self.tp = adapter, seg, tp
+        self.calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.inside = False
+
+    def forward(self, i: int, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.inside:
+            return self.adapter.original_forward(i)(hidden, *args, **kwargs)
+        self.calls[i] = (args, kwargs)
+        if i < self.seg.stop - 1:
+            return hidden
+        calls = [self.calls.pop(j) for j in range(self.seg.start, self.seg.stop)]
+        last = self.adapter.original_forward(i)  # its module call is the one running now
+        layers = self.adapter.layers
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            self.inside = True
+            try:
+                for j, (a, kw) in zip(range(self.seg.start, self.seg.stop), calls, strict=True):
+                    x = (last if j == i else layers[j])(x, *a, **kw)
+            finally:
+                self.inside = False
+            return x
+
+        return self.tp.run(run, hidden, self.seg.start)
+
+
+from trainer.policies import library  # noqa: E402  (registers every policy)
+from trainer.policies.library import *  # noqa: E402,F403
+
+__all__ = [
+    "POLICIES",
+    "Plan",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "Segment",
+    "apply_policy",
+    "build_policy",
+    "check_treatments",
+    "checkpointed",
+    "install_plan",
+    "policy_params",
+    "remove_policy",
+    "resolve_plan",
+    "say_once",
+    "treatments",
+    *library.__all__,
+]

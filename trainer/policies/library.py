@@ -1,0 +1,367 @@
+"""Every registered policy: one class each, with its documented Config. Registration order is the order tables
+and reports list them in (roughly from most memory to least)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trainer.policies import (
+    Plan,
+    Policy,
+    PolicyConfig,
+    PolicyError,
+    check_treatments,
+    checkpointed,
+    register,
+    say_once,
+    treatments,
+)
+from trainer.policies.offload import ActivationOffloader
+
+
+@register
+class NoRecompute(Policy):
+    """Store every activation: the fastest step and the memory baseline the others are measured against."""
+
+    name = "none"
+    treatment = True
+
+
+@register
+class SelectiveRecompute(Policy):
+    """Recompute only the core attention (Korthikanti et al. 2022; Megatron `core_attn`).
+
+    Drops the 5as/h·sbh attention-score term for a few % more FLOPs. With fused SDPA there is no score tensor
+    to drop and the kernel already recomputes in its backward, so this stores attention exactly like `none`.
+    """
+
+    name = "selective"
+    treatment = True
+    recomputes_core = True
+
+    def check(self, n_layer: int, attention: str) -> None:
+        if attention == "sdpa":
+            say_once(
+                "policy=selective with model.attention=sdpa: the fused kernel already recomputes its scores in "
+                "backward, so attention is stored as under `none` (no second recompute); note that on CPU with "
+                "dropout > 0 SDPA falls back to its math path, which does keep the T×T probabilities; "
+                "use model.attention=eager for Megatron-style selective recompute"
+            )
+
+    def effective(self, attention: str) -> str:
+        return self.name if attention == "eager" else "none"
+
+    def unavailable(self, attention: str, device_type: str) -> str | None:
+        return None if attention == "eager" else "with model.attention=sdpa it stores attention like `none`"
+
+
+# torchtitan's default idea: keep what is expensive to recompute (matmuls, attention kernels), recompute the
+# cheap pointwise ops. Names are aten packets; every overload of a named packet is saved.
+DEFAULT_SAC_SAVE_OPS = [
+    "aten.mm",
+    "aten.addmm",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+]
+
+
+@dataclass
+class OpSacConfig(PolicyConfig):
+    save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAC_SAVE_OPS))
+
+
+def resolve_ops(names: Iterable[str], policy: str = "op_sac") -> frozenset[Any]:
+    """Op names ('aten.mm', 'aten.mm.default') to op packets; every overload of a named packet matches."""
+    ops = set()
+    for name in names:
+        ns, _, op = str(name).partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op.split(".")[0]) if ns and op else None
+        except (AttributeError, RuntimeError):
+            packet = None
+        if packet is None:
+            raise PolicyError(
+                f"policy {policy}: policy.save_ops: unknown op {name!r}; write it as 'aten.mm' (namespace.op)"
+            )
+        ops.add(packet)
+    return frozenset(ops)
+
+
+@register
+class OpLevelSAC(Policy):
+    """Per-op selective activation checkpointing (torch's SAC contexts) on every block."""
+
+    name = "op_sac"
+    treatment = True
+    Config = OpSacConfig
+
+    def check(self, n_layer: int, attention: str) -> None:
+        resolve_ops(self.cfg.save_ops)
+
+    @functools.cached_property
+    def context_fn(self) -> Callable[[], Any]:
+        save = resolve_ops(self.cfg.save_ops)
+
+        def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            packet = getattr(op, "overloadpacket", op)
+            return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return functools.partial(create_selective_checkpoint_contexts, decide)
+
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        return checkpointed(fn, x, context_fn=self.context_fn)
+
+
+@register
+class FullRecompute(Policy):
+    """Checkpoint every block: only each block's input (the residual stream) is kept; +1 forward of compute."""
+
+    name = "full"
+    treatment = True
+
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        return checkpointed(fn, x)
+
+
+@dataclass
+class KConfig(PolicyConfig):
+    k: int = 2
+
+
+class _KPolicy(Policy):
+    Config = KConfig
+
+    def check(self, n_layer: int, attention: str) -> None:
+        if not 1 <= self.cfg.k <= n_layer:
+            raise PolicyError(
+                f"policy {self.name}: policy.k={self.cfg.k} must be between 1 and model.n_layer={n_layer}"
+            )
+
+
+@register
+class FirstK(_KPolicy):
+    """Megatron `recompute_method=block`: checkpoint each of the first `k` blocks, store the rest."""
+
+    name = "first_k"
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.per_block(["full"] * self.cfg.k + ["none"] * (n_layer - self.cfg.k))
+
+
+@register
+class EveryK(_KPolicy):
+    """Megatron `recompute_method=uniform`: groups of `k` consecutive blocks, one checkpoint per group."""
+
+    name = "every_k"
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.groups(n_layer, self.cfg.k, "full")
+
+
+def ceil_sqrt(n: int) -> int:
+    return math.isqrt(n - 1) + 1 if n > 0 else 0
+
+
+@register
+class SqrtGroups(Policy):
+    """Chen et al. 2016: ⌈√L⌉ groups of consecutive blocks, one checkpoint per group.
+
+    Keeps √L group inputs, but recomputing a group holds all its blocks' internals at once; a transformer
+    block's internals dwarf its input, so this can peak ABOVE `full` (the tests show it, measured).
+    """
+
+    name = "sqrt"
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.groups(n_layer, -(-n_layer // ceil_sqrt(n_layer)), "full")
+
+
+@dataclass
+class OffloadConfig(PolicyConfig):
+    min_bytes: int = 1 << 16  # smaller tensors stay on the device: a copy costs more than the bytes it frees
+    prefetch: bool = True  # in backward, bring the previous block's tensors back while this block computes
+
+    def __post_init__(self) -> None:
+        if self.min_bytes < 0:
+            raise ValueError(f"policy.min_bytes={self.min_bytes} must be ≥ 0")
+
+
+@register
+class Offload(Policy):
+    """Keep every block's activations in pinned host memory, copied on side CUDA streams with prefetch."""
+
+    name = "offload"
+    treatment = True
+    Config = OffloadConfig
+
+    def check(self, n_layer: int, attention: str) -> None:
+        if not torch.cuda.is_available():
+            say_once(
+                "policy=offload without a CUDA device: activations are already in host memory, "
+                "so the move is a no-op (gradients are unchanged)"
+            )
+
+    def unavailable(self, attention: str, device_type: str) -> str | None:
+        return None if device_type == "cuda" else "without a CUDA device it is `none`"
+
+    @functools.cached_property
+    def offloader(self) -> ActivationOffloader:
+        return ActivationOffloader(self.cfg.min_bytes, self.cfg.prefetch)
+
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        return self.offloader.run(key, fn, x)
+
+
+@dataclass
+class PerBlockConfig(OpSacConfig, OffloadConfig):
+    blocks: list[str] = field(default_factory=list)  # one treatment per block, e.g. [full, full, offload, none]
+    pattern: list[str] = field(default_factory=list)  # repeated to cover the blocks, e.g. [full, none]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # `blocks` wins when given, so `policy.blocks=[...]` works on top of the yaml's default pattern.
+        if not self.blocks and not self.pattern:
+            raise ValueError("give policy.blocks=[...] (one treatment per block) or policy.pattern=[...] (repeated)")
+        check_treatments(self.blocks or self.pattern, "blocks" if self.blocks else "pattern")
+
+
+@register
+class PerBlock(Policy):
+    """A treatment per block: the building block of the memory-budget planner."""
+
+    name = "per_block"
+    Config = PerBlockConfig
+
+    def block_treatments(self, n_layer: int) -> list[str]:
+        if self.cfg.blocks:
+            return list(self.cfg.blocks)
+        return [self.cfg.pattern[i % len(self.cfg.pattern)] for i in range(n_layer)]
+
+    def check(self, n_layer: int, attention: str) -> None:
+        if self.cfg.blocks and len(self.cfg.blocks) != n_layer:
+            raise PolicyError(
+                f"policy per_block: policy.blocks has {len(self.cfg.blocks)} entries but the model "
+                f"has {n_layer} blocks; give one treatment per block"
+            )
+        for t in dict.fromkeys(self.block_treatments(n_layer)):
+            self.treatment_policy(t).check(n_layer, attention)
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.per_block(self.block_treatments(n_layer))
+
+
+@dataclass
+class AutoConfig(OpSacConfig, OffloadConfig):
+    """policy=auto: the fastest per-block plan whose predicted whole-step peak fits the budget (trainer/planner.py).
+
+    The budget bounds the step's whole peak as the run reports it (`peak_total_mib`: the CUDA allocator's peak, or
+    the live-tensor tracker's on CPU). Give exactly one of budget_mib, budget_gb (10^9 bytes) or budget_fraction
+    (of the CUDA device's total memory).
+    """
+
+    budget_mib: float | None = None
+    budget_gb: float | None = None
+    budget_fraction: float | None = None
+    allow_accum: bool = False  # nothing fits: halve the micro-batch, double accum (same tokens per step), retry
+    profile_repeats: int = 3  # timed repetitions per block and treatment (median)
+    # The treatments the planner chooses from; null: every registered treatment. offload is used only where there
+    # is a CUDA device (elsewhere it is `none`), selective only with eager attention.
+    candidates: list[str] | None = None
+    # The loss heads the planner may pick (conf/loss/): the configured one first; null: the configured one only.
+    loss_candidates: list[str] | None = field(default_factory=lambda: ["chunked"])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give exactly one of policy.budget_mib, policy.budget_gb, policy.budget_fraction "
+                f"(got {', '.join(given)})"
+            )
+        for k in given:
+            if not getattr(self, k) > 0:
+                raise ValueError(f"policy.{k}={getattr(self, k)} must be > 0")
+        if self.budget_fraction is not None and self.budget_fraction > 1:
+            raise ValueError(f"policy.budget_fraction={self.budget_fraction} must be in (0, 1]")
+        if self.profile_repeats < 1:
+            raise ValueError(f"policy.profile_repeats={self.profile_repeats} must be ≥ 1")
+        if self.candidates is not None:
+            if not self.candidates:
+                raise ValueError(f"policy.candidates is empty; list some of {', '.join(treatments())} (or null)")
+            check_treatments(self.candidates, "candidates")
+
+    @property
+    def treatment_candidates(self) -> list[str]:
+        return list(self.candidates) if self.candidates is not None else list(treatments())
+
+
+@register
+class Auto(Policy):
+    """The memory-budget planner's policy: a per-block plan chosen at fit start by `callbacks.planner`.
+
+    `plan()` installs the chosen treatments (`choose`); before a choice is made it checkpoints every block (`full`,
+    the frugal default), so a model used without the planning callback never exceeds what `full` needs.
+    """
+
+    name = "auto"
+    Config = AutoConfig
+    chosen: tuple[str, ...] | None = None  # the planner's treatments, one per block
+    planned_by: Any = None  # weak reference to the callback that planned it (one planner per model)
+
+    def choose(self, block_treatments: Iterable[str]) -> None:
+        chosen = tuple(block_treatments)
+        check = [t for t in chosen if t not in treatments()]
+        if check:
+            raise PolicyError(f"policy auto: unknown treatment {check[0]!r}")
+        self.chosen = chosen
+
+    def check(self, n_layer: int, attention: str) -> None:
+        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self.cfg, k) is not None]
+        if not given:
+            raise PolicyError(
+                "policy auto needs a budget: give one of policy.budget_mib=…, policy.budget_gb=… or "
+                "policy.budget_fraction=… (of the CUDA device's memory)"
+            )
+        if self.cfg.budget_fraction is not None and not torch.cuda.is_available():
+            raise PolicyError(
+                f"policy auto: policy.budget_fraction={self.cfg.budget_fraction} is a fraction of a CUDA device's "
+                "memory and there is none here; give policy.budget_mib=… instead"
+            )
+        if "op_sac" in self.cfg.treatment_candidates:
+            resolve_ops(self.cfg.save_ops, self.name)
+        if self.chosen is not None and len(self.chosen) != n_layer:
+            raise PolicyError(f"policy auto: the chosen plan has {len(self.chosen)} blocks, the model {n_layer}")
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.per_block(self.chosen if self.chosen is not None else ["full"] * n_layer)
+
+
+__all__ = [
+    "DEFAULT_SAC_SAVE_OPS",
+    "Auto",
+    "AutoConfig",
+    "EveryK",
+    "FirstK",
+    "FullRecompute",
+    "KConfig",
+    "NoRecompute",
+    "Offload",
+    "OffloadConfig",
+    "OpLevelSAC",
+    "OpSacConfig",
+    "PerBlock",
+    "PerBlockConfig",
+    "SelectiveRecompute",
+    "SqrtGroups",
+    "ceil_sqrt",
+    "resolve_ops",
+]
