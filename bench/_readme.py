@@ -1,9 +1,16 @@
-"""Helpers the benchmarks share: rewrite one marked block of the README, and name the CPU."""
+"""Helpers the benchmarks share: rewrite one marked block of the README, name the CPU, and say in one line where
+and how a table was made (every generated header carries it)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import platform
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.precision import cpu_bf16_native, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -34,3 +41,39 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def environment(device_type: str, requested: str) -> dict[str, Any]:
+    """Where a table is made and the precision it runs in: `requested` (a config's `precision`, `auto` included)
+    settled as a run settles it (`trainer.precision.resolve`)."""
+    used, why = resolve(requested, device_type)
+    native, native_why = cpu_bf16_native()
+    env: dict[str, Any] = {
+        "date": dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": device_type,
+        "cpu": cpu_name(),
+        "cpu_bf16_native": native,
+        "cpu_bf16": native_why,
+        "threads": torch.get_num_threads(),
+        "precision_requested": requested,
+        "precision": used,
+        "precision_why": why,
+    }
+    if device_type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_bf16"] = torch.cuda.is_bf16_supported()
+    return env
+
+
+def environment_text(env: dict[str, Any]) -> str:
+    """'2026-12-01, torch 2.13.0+cpu, AMD EPYC (no native bf16: AVX2), 1 thread, precision=auto → 32-true'."""
+    bf16 = "native bf16" if env["cpu_bf16_native"] else "no native bf16: bf16 autocast is emulated"
+    threads = env["threads"]
+    parts = [env["date"], f"torch {env['torch']}"]
+    if env["device"] == "cuda":
+        parts.append(f"{env['gpu']} (bf16: {'yes' if env['gpu_bf16'] else 'no'})")
+    parts += [f"CPU {env['cpu']} ({bf16})", f"{threads} thread{'s' if threads != 1 else ''}"]
+    req, used = env["precision_requested"], env["precision"]
+    parts.append(f"precision={req} → {used}" if req != used else f"precision={used}")
+    return ", ".join(parts)

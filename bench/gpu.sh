@@ -1,92 +1,83 @@
 #!/usr/bin/env bash
-# The benchmark on one GPU: GPT-2 small (L=12, d=768, 12 heads, vocab 50257), T=1024, batch 8, bf16, every policy,
-# with fused (sdpa, the conf default) and eager attention; then the GPU-only tests. Under ten minutes on an H200.
+# The benchmark on one CUDA GPU, bf16-mixed, micro-batch 8 × 1024 tokens, every registered policy and loss head:
+#   gpt2   GPT-2 small (L=12, d=768, 12 heads, vocab 50257, sdpa attention, as conf/model/gpt2.yaml)
+#   llama  llama-tiny scaled to GPT-2 small's width and depth (L=12, d=768, 12 heads, 4 key/value heads,
+#          SwiGLU 2048, vocab 32000, eager attention)
+# then the GPU-only tests (pytest -m gpu). Results go to $OUT: gpu.log (everything printed), <name>.md (each
+# benchmark's header, tables and targets), tests.log, bench.tar.gz (every results.csv / results.json / table.md).
 #
-# 1. Here, on a machine with pip and network, once: fetch the pure-Python packages bench.policies and the tests
-#    import that the GPU image lacks (hydra-core, omegaconf, antlr4-python3-runtime; torch, lightning, numpy,
-#    matplotlib, pyyaml and pytest are there) into .whl/ (git-ignored), at the versions of this venv:
+#   OUT=runs/gpu bash bench/gpu.sh
+#   BENCH_DEVICE=cpu BENCH_ROUNDS=1 OUT=/tmp/gpu bash bench/gpu.sh micro   # the script's plumbing, on a CPU
 #
-#        bash bench/gpu.sh --fetch-wheels
-#
-# 2. On the lent GPU (the device tool): run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600).
-#    Everything lands in $OUT (at most 8 files come back): gpu.log (all output), gpt2_sdpa.md and gpt2_eager.md
-#    (each benchmark's header, table and targets), tests.log, and bench.tar.gz (every results.csv/.json/table.md).
-#    Elsewhere, OUT=<folder> bash bench/gpu.sh does the same on any CUDA machine. A dry run of the script's own
-#    plumbing on a CPU: BENCH_DEVICE=cpu BENCH_MODEL=micro OUT=/tmp/gpu bash bench/gpu.sh
-#
-# Budget (H200, estimated, not yet measured): each benchmark ~1-2 min (GPT-2 init, 9 policies x (memory, FLOPs and
-# 2+20 timed steps of ~30-80 ms), 40 Lightning/bare step pairs), the tests < 1 min. Each part has its own timeout
-# so the whole stays under 10 minutes and whatever finished still comes back.
+# An environment without hydra-core/omegaconf and without network: `bash bench/gpu.sh --fetch-wheels` on a machine
+# with pip and network writes their wheels to .whl/ (git-ignored); copied along, they are installed from there.
+# Each benchmark has its own timeout, so whatever finished still lands in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 DEVICE=${BENCH_DEVICE:-cuda}
-MODEL=${BENCH_MODEL:-gpt2}
+ROUNDS=${BENCH_ROUNDS:-10}
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     set -e
     mkdir -p .whl
-    versions=$("$PY" -c 'import importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in ("hydra-core", "omegaconf", "antlr4-python3-runtime")))')
-    read -r hydra omegaconf antlr <<<"$versions"
-    # hydra-core and omegaconf ship pure-Python wheels; antlr4-python3-runtime 4.9.x is an sdist only, so its
-    # (pure-Python) wheel is built here.
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux2014_x86_64 -d .whl "$hydra" "$omegaconf"
-    "$PY" -m pip wheel -q --no-deps -w .whl "$antlr"
+    read -r hydra omegaconf antlr < <("$PY" -c 'import importlib.metadata as m
+print(" ".join(f"{n}=={m.version(n)}" for n in ("hydra-core", "omegaconf", "antlr4-python3-runtime")))')
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl "$hydra" "$omegaconf"
+    "$PY" -m pip wheel -q --no-deps -w .whl "$antlr"  # an sdist only: build its pure-Python wheel
     ls -l .whl
     exit 0
 fi
 
-: "${OUT:?set OUT to a folder for the results (the device tool sets it)}"
+: "${OUT:?set OUT to a folder for the results}"
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
-export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 DEVICE
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 
-CHECK_ENV='
-import importlib.metadata as m, os, sys, torch
-names = ("torch", "lightning", "hydra-core", "omegaconf", "matplotlib", "pytest")
-print("python", sys.version.split()[0], "|", ", ".join(f"{n} {m.version(n)}" for n in names))
-if os.environ["DEVICE"] == "cuda":
-    if not torch.cuda.is_available():
-        sys.exit(f"no CUDA device visible to torch {torch.__version__}: this script is for a GPU machine")
-    print("cuda", torch.version.cuda, "|", torch.cuda.get_device_name(), "| bf16:", torch.cuda.is_bf16_supported())
-'
+SHAPE=(--batch 8 --seq 1024 --precision bf16-mixed)
+GPT2=(--model gpt2 --vocab 50257 --head-vocab 50257)
+LLAMA=(--model llama-tiny --vocab 32000 --head-vocab 32000 model.n_layer=12 model.n_embd=768 model.n_head=12
+    model.n_kv_head=4 model.mlp_hidden=2048 model.block_size=1024)
+if [[ "${1:-}" == "micro" ]]; then  # the plumbing only: tiny shapes, fp32
+    SHAPE=(--seq 32 --precision 32-true --overhead-steps 2)
+    GPT2=(--model micro --head-vocab 4096)
+    LLAMA=(--model llama-tiny --head-vocab 4096 model.n_layer=2 model.n_embd=64)
+fi
+
+bench() {  # bench <name> <args...>
+    local name=$1
+    shift
+    echo "== $(date -u +%T) bench.policies $*"
+    timeout 240 "$PY" -m bench.policies --device "$DEVICE" --rounds "$ROUNDS" "${SHAPE[@]}" "$@" \
+        --out "$WORK/$name" || return 1
+    cp "$WORK/$name/table.md" "$OUT/$name.md"
+}
 
 main() {
     echo "== $(date -u +%FT%TZ) $(hostname)"
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
     if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null; then
-        if ! compgen -G ".whl/*.whl" >/dev/null; then
-            echo "hydra/omegaconf missing and no .whl/ carried: run 'bash bench/gpu.sh --fetch-wheels' here first"
-            return 2
-        fi
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || return 2
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        compgen -G ".whl/*.whl" >/dev/null || { echo "no hydra/omegaconf and no .whl/: see --fetch-wheels"; return 2; }
+        "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" .whl/*.whl || return 2
+        export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
     fi
-    "$PY" -c "$CHECK_ENV" || return 2
+    "$PY" -c 'import sys, torch, lightning, hydra
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| lightning", lightning.__version__,
+      "| cuda", torch.version.cuda, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' \
+        || return 2
 
-    local rc=0 attention files
-    for attention in sdpa eager; do
-        echo "== bench.policies --device $DEVICE --model $MODEL --attention $attention"
-        timeout 240 "$PY" -m bench.policies --device "$DEVICE" --model "$MODEL" --attention "$attention" \
-            --rounds 20 --overhead-steps 40 --out "$WORK/${MODEL}_$attention" || rc=1
-        cp "$WORK/${MODEL}_$attention/table.md" "$OUT/${MODEL}_$attention.md" 2>/dev/null || true
-    done
-
-    echo "== pytest -m gpu"
-    # Only the files that hold GPU tests: collecting the others would import what this image may lack (datasets).
-    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
-    timeout 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/tests.log" || rc=1
-
-    (cd "$WORK" && tar czf "$OUT/bench.tar.gz" .) || true
-    for f in "$OUT/${MODEL}"_*.md; do
-        if [[ -f "$f" ]]; then
-            printf '\n== %s\n' "$(basename "$f")"
-            cat "$f"
-        fi
-    done
+    local rc=0 files
+    bench gpt2 "${GPT2[@]}" || rc=1
+    bench llama "${LLAMA[@]}" || rc=1
+    if [[ "$DEVICE" == "cuda" ]]; then
+        echo "== $(date -u +%T) pytest -m gpu"
+        mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+        timeout 90 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/tests.log" \
+            || rc=1
+    fi
+    tar czf "$OUT/bench.tar.gz" -C "$WORK" --exclude=site . || rc=1
     return $rc
 }
 

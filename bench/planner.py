@@ -1,280 +1,273 @@
 """`policy=auto` across memory budgets, beside the fastest uniform policy that fits: measured peak and step time.
 
-    python -m bench.planner                  # print the tables
+    python -m bench.planner                  # print the tables (the conf defaults: model=tiny, 4×256 tokens)
     python -m bench.planner --write-readme   # also rewrite the README block between the planner-table markers
+    python -m bench.planner --model llama-tiny --budgets 6 --reps 3
 
-One process, the default CPU shape (conf/config.yaml: model=tiny, batch 4 × 256 tokens, bf16-mixed, AdamW, grad
-clip 1.0), CPU:
+One process, one configuration composed as train.py composes it with `policy=auto`
+(`trainer.estimate.compose_config`; precision=auto settles as a run settles it), one `DecoderModule` and one fixed
+batch of random tokens (bench/harness.py):
 
-1. Profile once, as the planning callback does at fit start (`trainer.planner.profile`), and predict every uniform
-   policy's peak.
-2. Budgets: evenly spaced from the `none` prediction down to below `full`'s (at least 6). For each, the plan
-   `policy=auto` would install (the same solver on that profile). Below `full` nothing fits at micro-batch 4: the
-   row shows the refusal's smallest budget and the plan `policy.allow_accum=true` trains instead (micro-batch
-   halved, accumulation doubled, same tokens per step; profiled again by `plan_model`).
-3. Every distinct plan (auto's and the uniform ones) is measured in the same process with a training step as
-   Lightning runs it (autocast without weight cache, forward, zero_grad, backward, gradient norm, clipping, AdamW):
-   peak = LiveTensorTracker over the step with the training state adopted, the figure the measuring callback
-   reports as `peak_total_mib`; time = median over repetitions interleaved across plans (round-robin), so load
-   on a shared machine spreads over all plans alike.
+1. Profile once, as the planning callback does at fit start: `trainer.planner.plan_model` on the module's model and
+   one micro-batch, with the module's loss heads (`head_candidates`: the configured one, then policy.loss_candidates)
+   and the run's optimizer, parameter groups and clipping, at a budget everything fits. `PeakModel` on that profile
+   predicts every uniform plan of the treatments the planner chooses from.
+2. Budgets: evenly spaced from the `none` prediction down to below the most frugal uniform plan's (at least 6). For
+   each, the plan `policy=auto` would install: `solve_profile` on the same profile, with plan_model's rule for the
+   loss head (the configured head when any plan fits with it, else the fastest plan with another head). Where
+   nothing fits at the configured micro-batch, the row shows the smallest budget that would, and the plan
+   `policy.allow_accum=true` trains instead (plan_model again: micro-batch halved, accumulation doubled, same tokens
+   per step, profiled anew).
+3. Every distinct plan (auto's and the uniform ones) is installed as training installs it (the `auto` policy with
+   the chosen treatments, `Plan.per_block`) and measured in the same process with `trainer.step.bare_step`, the
+   step as Lightning runs it: peak = `trainer.step.StepMeter`'s whole-step figure (what a run reports as
+   `peak_total_mib`, the figure the budget bounds); time = median over `--reps` rounds interleaved across plans
+   (order rotated), so load on a shared machine spreads over all plans alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime as dt
+import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._readme import README, ROOT, cpu_name, replace_block
-from models.gpt import GPT, GPTConfig
-from trainer import planner
-from trainer.memory import MIB, LiveTensorTracker
+from bench._readme import README, environment_text, replace_block
+from bench.harness import MIB, BenchError, Harness, Variant, bench_config, quiet_policy_notices
+from trainer.loss import LossConfig
 from trainer.module import param_groups
-from trainer.planner import PeakModel, describe_treatments, solve_profile
-from trainer.policies import PolicyError, apply_policy, build_policy
+from trainer.planner import (
+    PeakModel,
+    PlanResult,
+    Profile,
+    default_optimizer,
+    head_candidates,
+    mib,
+    plan_model,
+    smallest_budget_mib,
+    solve_profile,
+)
+from trainer.policies import Plan, Policy, PolicyError, build_policy
+from trainer.schema import describe_user_error
 
 START, END = "<!-- planner-table:start -->", "<!-- planner-table:end -->"
+HEADING = "## Measured: `policy=auto` across memory budgets"
 COMMAND = "python -m bench.planner --write-readme"
-UNIFORM = ("none", "selective", "op_sac", "full")
+EVERYTHING_FITS_MIB = float(2**30)  # a budget of 1 PiB: the first plan_model call only profiles
 
 
-def compose(overrides: list[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from trainer.schema import register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return validate(hydra_compose("config", overrides=overrides))
-
-
-def build(config: Any) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
-    values = {f: getattr(config.model, f) for f in GPTConfig.__dataclass_fields__}
-    values["vocab_size"] = values["vocab_size"] or 256  # the default byte tokenizer
-    torch.manual_seed(config.seed)
-    model = GPT(GPTConfig(**values))
-    g = torch.Generator().manual_seed(config.seed)
-    shape = (config.batch_size, config.seq_len)
-    batch = (
-        torch.randint(0, values["vocab_size"], shape, generator=g),
-        torch.randint(0, values["vocab_size"], shape, generator=g),
-    )
-    return model, batch
+def solve(prof: Profile, budget: int, text: str, configured: tuple[int, int]) -> PlanResult | None:
+    """The plan `plan_model` picks on this profile at this budget, without profiling again: the configured loss
+    head's fastest fitting plan, else the fastest fitting plan with another head, else None."""
+    heads = list(prof.heads.values()) or [prof]
+    first = solve_profile(heads[0], budget, text, configured)
+    if first is not None:
+        return first
+    others = [r for h in heads[1:] if (r := solve_profile(h, budget, text, configured)) is not None]
+    return min(others, key=lambda r: r.solution.step_ms) if others else None
 
 
-class Runner:
-    """One plan on its own copy of the model and optimizer: a training step as Lightning runs it."""
+def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu") -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        config, env = bench_config(["policy=auto", f"policy.budget_mib={EVERYTHING_FITS_MIB}", *overrides], device)
+        auto_cfg = build_policy(config.policy).cfg
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        raise BenchError(line) from None
+    wd = config.optim.weight_decay
+    configured = (config.batch_size, config.accum)
+    h = Harness(config, device)
+    h.warm()
+    model = h.module.model
 
-    def __init__(
-        self, base: GPT, treatments: tuple[str, ...], batch: tuple[torch.Tensor, torch.Tensor], micro: int, config: Any
-    ) -> None:
-        self.model = copy.deepcopy(base)
-        apply_policy(self.model, {"name": "per_block", "blocks": list(treatments)})
-        self.model.train()
-        self.opt = torch.optim.AdamW(param_groups(self.model, config.optim.weight_decay), lr=config.optim.lr)
-        idx, tgt = batch
-        self.micro = [(idx[i : i + micro], tgt[i : i + micro]) for i in range(0, idx.shape[0], micro)]
-        self.clip = config.trainer.grad_clip
-        self.times: list[float] = []
-        self.peak: int | None = None
+    def plan(cfg: Any) -> PlanResult:
+        with quiet_policy_notices():
+            return plan_model(
+                model,
+                h.batches()[0],
+                cfg,
+                loss_fns=head_candidates(h.module, cfg),
+                precision=h.precision,
+                accum=config.accum,
+                make_optimizer=default_optimizer(wd),
+                param_groups=param_groups(model, wd),
+                grad_clip=config.trainer.grad_clip,
+            )
 
-    def step(self) -> None:
-        accum = len(self.micro)
-        for k, (idx, tgt) in enumerate(self.micro):
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                loss = self.model(idx, tgt)[1]
-            if k == 0:
-                self.opt.zero_grad(set_to_none=True)
-            (loss / accum).backward()
-        params = list(self.model.parameters())
-        torch.nn.utils.get_total_norm([p.grad for p in params])
-        torch.nn.utils.clip_grad_norm_(params, self.clip)
-        self.opt.step()
-
-    def timed(self) -> None:
-        t0 = time.perf_counter()
-        self.step()
-        self.times.append((time.perf_counter() - t0) * 1e3)
-
-    def tracked(self) -> None:
-        with LiveTensorTracker() as tracker:
-            tracker.adopt(self._state())  # a temporary list: last step's gradients still die at zero_grad
-            self.step()
-        self.peak = tracker.peak_bytes
-
-    def _state(self) -> list[torch.Tensor]:
-        params = list(self.model.parameters())
-        state = [*params, *self.model.buffers(), *(p.grad for p in params if p.grad is not None)]
-        return state + [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-
-    @property
-    def ms(self) -> float:
-        return statistics.median(self.times)
-
-
-def run(n_budgets: int, reps: int) -> dict[str, Any]:
-    config = compose(["policy=auto", "policy.budget_mib=1"])
-    base, batch = build(config)
-    cfg = build_policy(config.policy).cfg
-    B = config.batch_size
-    prof = planner.profile(
-        copy.deepcopy(base),
-        batch,
-        precision=config.precision,
-        make_optimizer=planner.default_optimizer(config.optim.weight_decay),
-        param_groups=None,
-        accum=config.accum,
-        treatments=UNIFORM,
-        policy_cfg=cfg,
-        repeats=cfg.profile_repeats,
-        grad_clip=config.trainer.grad_clip,
-    )
-    model = PeakModel(prof)
+    prof = plan(auto_cfg).profile
     L = prof.n_layer
-    predicted = {t: model.evaluate([t] * L) for t in UNIFORM}
-    top = predicted["none"].peak
-    bottom = int(predicted["full"].peak * 0.93)
-    budgets = [round((top - (top - bottom) * k / (n_budgets - 1)) / MIB, 1) for k in range(n_budgets)]
-    budgets[0] = planner.smallest_budget_mib(top)
-    runners: dict[tuple[tuple[str, ...], int], Runner] = {}
+    predicted = {t: PeakModel(prof).evaluate([t] * L) for t in prof.treatments}
+    top = max(p.peak for p in predicted.values())
+    bottom = int(min(p.peak for p in predicted.values()) * 0.93)
+    digits = 3 if top < 10 * MIB else 1  # as the planner words budgets
+    budgets = [round((top - (top - bottom) * k / (n_budgets - 1)) / MIB, digits) for k in range(n_budgets)]
+    budgets[0] = smallest_budget_mib(top)
 
-    def runner(treatments: tuple[str, ...], micro: int) -> Runner:
-        key = (treatments, micro)
-        if key not in runners:
-            runners[key] = Runner(base, treatments, batch, micro, config)
-        return runners[key]
+    variants: dict[str, Variant] = {}
 
-    for t in UNIFORM:
-        runner((t,) * L, B)
-    rows = []
+    def variant(treatments: Sequence[str], loss: str, micro_batch: int) -> str:
+        key = f"{Plan.per_block(treatments).describe()} loss={loss} micro-batch={micro_batch}"
+        if key not in variants:
+            loss_cfg = LossConfig(
+                name=loss, chunk_tokens=config.loss.chunk_tokens, ignore_index=config.loss.ignore_index
+            )
+            variants[key] = Variant(key, _auto(auto_cfg, treatments), loss_cfg, micro_batch)
+        return key
+
+    uniform = {t: variant([t] * L, config.loss.name, config.batch_size) for t in prof.treatments}
+    rows: list[dict[str, Any]] = []
     for budget in budgets:
-        row: dict[str, Any] = {"budget": budget}
-        result = solve_profile(prof, int(budget * MIB), f"policy.budget_mib={budget:g}", (B, config.accum))
+        row: dict[str, Any] = {"budget_mib": budget}
+        result = solve(prof, int(budget * MIB), f"policy.budget_mib={budget:g}", configured)
         if result is None:
-            row["refused"] = planner.smallest_budget_mib(model.min_peak().peak)
-            cfg_accum = build_policy({**_plain(config.policy), "budget_mib": budget, "allow_accum": True}).cfg
+            heads = list(prof.heads.values()) or [prof]
+            row["refused_below_mib"] = smallest_budget_mib(min(PeakModel(p).min_peak().peak for p in heads))
             try:
-                result = planner.plan_model(
-                    copy.deepcopy(base),
-                    batch,
-                    cfg_accum,
-                    precision=config.precision,
-                    accum=config.accum,
-                    make_optimizer=planner.default_optimizer(config.optim.weight_decay),
-                    grad_clip=config.trainer.grad_clip,
-                )
+                result = plan(dataclasses.replace(auto_cfg, budget_mib=budget, allow_accum=True))
             except PolicyError as e:
                 row["error"] = str(e)
                 rows.append(row)
                 continue
         row["result"] = result
-        row["runner"] = runner(result.treatments, result.micro_batch)
+        row["variant"] = variant(result.treatments, result.loss or config.loss.name, result.micro_batch)
         rows.append(row)
-    # measure: one warm-up step each (creates gradients and optimizer state), one tracked step, then timed steps
-    # round-robin over the plans
-    for r in runners.values():
-        r.step()
-        r.tracked()
-    for _ in range(reps):
-        for r in runners.values():
-            r.timed()
-    uniform = {t: runners[((t,) * L, B)] for t in UNIFORM}
+
+    # one metered step per plan (StepMeter), then timed rounds interleaved across plans
+    measured: dict[str, dict[str, Any]] = {}
+    with quiet_policy_notices():
+        for key, v in variants.items():
+            f = h.measure(v)
+            installed = h.module.model.activation_plan
+            measured[key] = {"peak": f.total_bytes, "activation": f.activation_bytes, "installed": installed}
+        times = h.interleaved(variants, reps)
+    for key, m in measured.items():
+        m["ms"] = statistics.median(times[key]) * 1e3
     for row in rows:
-        fits = [t for t in UNIFORM if uniform[t].peak is not None and uniform[t].peak <= row["budget"] * MIB]
-        row["uniform"] = min(fits, key=lambda t: uniform[t].ms) if fits else None
-    return {"config": config, "prof": prof, "predicted": predicted, "uniform": uniform, "rows": rows}
+        fits = [t for t, k in uniform.items() if measured[k]["peak"] <= row["budget_mib"] * MIB]
+        row["uniform"] = min(fits, key=lambda t: measured[uniform[t]]["ms"]) if fits else None
+        if "variant" in row:
+            row["measured"] = measured[row["variant"]]
+    return {
+        "env": env,
+        "shape": h.describe(),
+        "config": config,
+        "predicted": predicted,
+        "uniform": {t: measured[k] for t, k in uniform.items()},
+        "rows": rows,
+        "reps": reps,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def _plain(node: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+def _auto(cfg: Any, treatments: Sequence[str]) -> Callable[[], Policy]:
+    """policy=auto with these treatments chosen, as the planning callback installs its plan."""
 
-    return dict(OmegaConf.to_container(node)) if not isinstance(node, dict) else dict(node)  # type: ignore[arg-type]
+    def make() -> Policy:
+        policy = build_policy(cfg)
+        policy.choose(treatments)  # type: ignore[attr-defined]
+        return policy
+
+    return make
 
 
 def tables(out: dict[str, Any]) -> str:
     uniform, rows = out["uniform"], out["rows"]
+    configured_loss = out["config"].loss.name
     lines = [
         "| budget MiB | `auto` plan | predicted MiB | measured MiB | step ms | fastest uniform that fits | "
         "its measured MiB | its step ms | auto ÷ uniform |",
         "|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
-        b = row["budget"]
+        b = row["budget_mib"]
         u = row["uniform"]
-        ucells = f"`{u}` | {uniform[u].peak / MIB:.1f} | {uniform[u].ms:,.0f}" if u is not None else "none fits | — | —"
+        ucells = (
+            f"`{u}` | {mib(uniform[u]['peak'])} | {uniform[u]['ms']:,.0f}" if u is not None else "none fits | — | —"
+        )
         if "error" in row:
-            lines.append(f"| {b:.1f} | refused: {row['error']} | | | | {ucells} | — |")
+            lines.append(f"| {b:g} | refused: {row['error']} | | | | {ucells} | — |")
             continue
-        res, r = row["result"], row["runner"]
-        plan = f"`{describe_treatments(res.treatments)}`"
-        if "refused" in row:
+        res, m = row["result"], row["measured"]
+        plan = f"`{Plan.per_block(res.treatments).describe()}`"
+        if res.loss and res.loss != configured_loss:
+            plan += f", loss={res.loss}"
+        if "refused_below_mib" in row:
             plan = (
-                f"refused at micro-batch {res.configured_micro_batch} (needs ≥ {row['refused']:g} MiB); with "
-                f"`allow_accum=true`: micro-batch {res.micro_batch}, accum {res.accum}, {plan}"
+                f"refused at micro-batch {res.configured_micro_batch} (needs ≥ {row['refused_below_mib']:g} MiB); "
+                f"with `allow_accum=true`: micro-batch {res.micro_batch}, accum {res.accum}, {plan}"
             )
-        ratio = f"{r.ms / uniform[u].ms:.2f}" if u is not None else "—"
-        mark = "" if r.peak <= b * MIB else " ⚠"
+        ratio = f"{m['ms'] / uniform[u]['ms']:.2f}" if u is not None else "—"
+        mark = "" if m["peak"] <= b * MIB else " ⚠"
         lines.append(
-            f"| {b:.1f} | {plan} | {res.solution.peak / MIB:.1f} | {r.peak / MIB:.1f}{mark} | {r.ms:,.0f} | "
+            f"| {b:g} | {plan} | {mib(res.solution.peak)} | {mib(m['peak'])}{mark} | {m['ms']:,.0f} | "
             f"{ucells} | {ratio} |"
         )
     lines += [
         "",
-        "Uniform policies, predicted from the one profile vs measured:",
+        "Uniform plans, predicted from the one profile vs measured:",
         "",
         "| policy | predicted MiB | measured MiB | predicted step ms | measured step ms |",
         "|---|---:|---:|---:|---:|",
     ]
     for t, s in out["predicted"].items():
         r = uniform[t]
-        lines.append(f"| `{t}` | {s.peak / MIB:.1f} | {r.peak / MIB:.1f} | {s.step_ms:,.0f} | {r.ms:,.0f} |")
+        lines.append(f"| `{t}` | {mib(s.peak)} | {mib(r['peak'])} | {s.step_ms:,.0f} | {r['ms']:,.0f} |")
     return "\n".join(lines)
 
 
-def header(out: dict[str, Any], seconds: float, reps: int) -> str:
+def header(out: dict[str, Any], command: str = COMMAND) -> str:
     c = out["config"]
-    m = c.model
     return (
-        f"Generated by `{COMMAND}` on {dt.date.today().isoformat()} (torch {torch.__version__}, {cpu_name()}, "
-        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}, {seconds:.0f} s). Shape: the "
-        f"conf defaults, GPT L={m.n_layer}, d={m.n_embd}, {m.n_head} heads, {m.attention} attention, dropout "
-        f"{m.dropout}, vocab 256; micro-batch {c.batch_size}×{c.seq_len}; {c.precision}; AdamW; clip "
-        f"{c.trainer.grad_clip:g}. One profile (as at fit start) gives every prediction; each plan is then measured "
-        "in the same process by a training step as Lightning runs it: peak = live-tensor tracker with the training "
-        "state adopted (what runs report as `peak_total_mib`), step time = median of "
-        f"{reps} steps interleaved across plans. Budgets run from the `none` prediction to below `full`'s."
+        f"Generated by `{command}` ({environment_text(out['env'])}, {out['seconds']:.0f} s). Shape: {out['shape']}; "
+        f"AdamW; clip {c.trainer.grad_clip:g}; policy=auto chooses from {', '.join(out['predicted'])}. One profile "
+        "(`trainer.planner.plan_model`, as at fit start) gives every prediction; each plan is then installed as "
+        "training installs it and measured in the same process by `trainer.step.bare_step`, the step as Lightning "
+        "runs it: peak = `trainer.step.StepMeter`'s whole-step figure (what runs report as `peak_total_mib`), step "
+        f"time = median of {out['reps']} steps interleaved across plans. Budgets run from the `none` prediction to "
+        "below the most frugal uniform plan's. ⚠: measured above the budget."
     )
 
 
-def write_readme(block: str, path: Path = README) -> None:
-    replace_block(path, START, END, block, "## Measured: `policy=auto` across memory budgets")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
+    ap = argparse.ArgumentParser(prog="python -m bench.planner", description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (default: the conf defaults)")
+    ap.add_argument("--model", help="a conf/model option (model=…)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
+    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    args = ap.parse_intermixed_args(argv)
     if args.budgets < 6:
         ap.error("--budgets must be at least 6")
+    if args.reps < 1:
+        ap.error("--reps must be ≥ 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    out = run(args.budgets, args.reps)
-    block = header(out, time.perf_counter() - t0, args.reps) + "\n\n" + tables(out)
+    overrides = ([f"model={args.model}"] if args.model else []) + list(args.overrides)
+    try:
+        out = run(overrides, args.budgets, args.reps, args.device)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    extra = " ".join([*(["--model", args.model] if args.model else []), *args.overrides])
+    block = header(out, f"{COMMAND} {extra}".rstrip()) + "\n\n" + tables(out)
     print(block)
     if args.write_readme:
-        write_readme(block)
-        print(f"\nwrote {README.relative_to(ROOT)}", file=sys.stderr)
+        replace_block(args.readme, START, END, block, HEADING)
+        print(f"\nwrote {args.readme}", file=sys.stderr)
     return 0
 
 

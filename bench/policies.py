@@ -1,31 +1,41 @@
-"""Every policy side by side on one model and one batch: step time, memory and FLOPs as ratios to `none`.
+"""Every policy and every loss head side by side: step time, memory and FLOPs as ratios, measured and estimated.
 
-    python -m bench.policies                                 # CPU, the `tiny` model (conf defaults), ~3 min
-    python -m bench.policies --write-readme                  # also rewrite the README's bench-table block
-    python -m bench.policies --device cuda --model gpt2      # GPT-2 small, T=1024, batch 8, bf16 (bench/gpu.sh)
+    python -m bench.policies                                   # CPU: tiny, every policy; loss heads at vocab 32768
+    python -m bench.policies --models tiny,llama-tiny --write-readme    # the README's bench-table block
+    python -m bench.policies --model micro --rounds 2 --head-vocab 4096 # a smoke run (seconds)
+    python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
-One process, one model initialisation, one fixed batch. Everything below runs the same training step, written out
-as a bare PyTorch loop the way Lightning runs it: forward under bf16 autocast (weight-cast cache off, as Lightning's
-plugin has it), zero_grad (where Lightning's closure calls it), backward, clip the gradient norm to 1, AdamW step, LR
-scheduler step (the optimizer, groups and schedule of `GPTModule.configure_optimizers`). The policy is switched on
-that one model with `apply_policy` between steps, so no policy gets other weights or another batch.
+Positional arguments are Hydra overrides, as for train.py (`model.attention=sdpa`, `optim.lr=3e-4`); each model of
+`--models` is composed with them (`trainer.estimate.compose_config`), and `precision=auto` settles as a run settles
+it (`trainer.precision.resolve`).
 
-* Step time: after warm-up, interleaved rounds; in round r every policy runs one step, the order rotated by r. Step
-  time is the median over rounds; "× none" is the median over rounds of (policy step / `none` step in that round),
-  which pairs steps that ran close together in time and so cancels slow drifts of a shared machine's load.
-* Activation peak: a separate untimed step per policy under `LiveTensorTracker` (any device): the peak live bytes
-  of forward + backward, gradient buffers excluded — what `MeasureCallback` logs as memory/activation_peak_mib.
-* Peak total: the whole step's peak (weights, gradients, AdamW state, activations, transients): CUDA's
-  `max_memory_allocated` over one untimed step; on CPU the tracker over the whole step with the training state
-  adopted (as `MeasureCallback` does for memory/peak_total_mib).
-* FLOPs: `trainer.flops.count_flops` of forward + backward (recompute included).
-* Estimated: `trainer.estimate.estimate` for the same shape and policy, beside the measured figures ("n/a" when
-  the estimator cannot be imported or refuses the configuration).
-* Framework overhead: policy `none`, the bare loop against a real `lightning.Trainer.fit` of the project's
-  `GPTModule` on a fixed in-memory batch (same precision, clipping, optimizer and schedule; no logger, checkpoints
-  or progress bar). Both timed the same way, by this script's own clock: the interval between the starts of
-  consecutive iterations (Lightning: `on_train_batch_start`), which includes the loop's own work between steps —
-  fetching the batch, hooks, logging. Interleaved rounds of `--overhead-steps` steps each; median interval.
+One process. Per configuration one module (`trainer.module.DecoderModule`, seeded as train.py seeds it) and one
+fixed batch of random tokens (no data set is read, so any vocabulary works). Everything runs the one training step
+as Lightning runs it, `trainer.step.bare_step` (bench/harness.py): forward in the precision plugin's context,
+zero_grad after the first forward, backward, gradient norm, clipping, AdamW and LR step from
+`trainer.step.optimizers_of`. Policies (`apply_policy`) and loss heads are switched on that one module between
+steps, so no variant gets other weights or another batch.
+
+* Policies: every registered one (`trainer.policies.POLICIES`) with its conf/policy/<name>.yaml parameters; one
+  that cannot run from its conf alone is left out with its reason (`auto` needs a budget: bench/planner.py plans
+  it across budgets). Ratios against `none`.
+* Loss heads (`--head-vocab`, default 32768, a BPE vocabulary where the head is most of the activation memory on
+  the CPU shape): `standard`, `chunked` and `fused` (loss.chunk_tokens = `--chunk-tokens`), under each of
+  `--head-policies`, on the first model with model.vocab_size set; ratios against `standard` under the same
+  policy. The head's share is StepMeter's `head_peak`: the most the head (final norm, logits, loss, forward and
+  backward) held at once.
+* Step time: after warm-up, interleaved rounds; in round r every variant of a configuration runs one step, the
+  order rotated by r. Step time is the median over rounds; "× none" ("× standard") is the median over rounds of
+  the per-round ratio, which pairs steps that ran close together and so cancels slow drifts of a shared machine.
+* Memory: an untimed step per variant under `trainer.step.StepMeter`: activation peak (memory/activation_peak_mib),
+  the whole step's peak (memory/peak_total_mib), the head's peak; on CUDA also the allocator's peak.
+* FLOPs: `trainer.flops.count_flops` over one more untimed step (forward + backward, recompute included); ops it
+  has no formula for are named (a fused kernel's FLOPs it cannot see).
+* est.: `trainer.estimate` (open_session + measure) for the same config, policy and head, on fake tensors.
+* Framework overhead: policy `none`, the bare step against a real `lightning.Trainer.fit` of the same
+  DecoderModule on a fixed in-memory batch (same precision, clipping, optimizer and schedule; no logger,
+  checkpoints or progress bar), alternating step by step: a callback's `on_train_batch_start` runs one bare step of
+  a twin module, then stamps the start of Lightning's iteration, which ends at the next `on_train_batch_start`.
 
 Targets (reported, never asserted): full ≤ 1.35× none step time; selective (eager attention) ≤ 1.10×; Lightning
 ≤ 1.02× the bare loop; activation peak of full ≤ 1/4 of none.
@@ -43,196 +53,179 @@ import logging
 import statistics
 import sys
 import time
+import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from bench._readme import README, ROOT, cpu_name, replace_block
-from bench.policy_table import policy_configs
-from models.gpt import GPT, GPTConfig
-from trainer.flops import count_flops
-from trainer.memory import MIB, LiveTensorTracker
-from trainer.policies import Policy, PolicyError, apply_policy, build_policy
+from bench._readme import README, ROOT, environment_text, replace_block
+from bench.harness import (
+    MIB,
+    BenchError,
+    Figures,
+    Harness,
+    Variant,
+    bench_config,
+    build_module,
+    estimated,
+    estimator_session,
+    median_ratio,
+    quiet_policy_notices,
+    registered_policies,
+    spread,
+    sync,
+)
+from trainer.loss import LOSSES, LossConfig
+from trainer.policies import Policy, policy_params
+from trainer.schema import Config, describe_user_error
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"
 COMMAND = "python -m bench.policies"
-
-# Per model (conf/model/<name>.yaml): micro-batch, sequence length and vocabulary of the benchmark.
-# micro/tiny: the conf defaults (byte tokenizer, batch 4, seq 256 or the micro test shape); gpt2*: GPT-2's BPE.
-SHAPES: dict[str, dict[str, int]] = {
-    "micro": {"batch": 4, "seq": 32, "vocab": 256},
-    "tiny": {"batch": 4, "seq": 256, "vocab": 256},
-    "gpt2": {"batch": 8, "seq": 1024, "vocab": 50257},
-    "gpt2-medium": {"batch": 8, "seq": 1024, "vocab": 50257},
-}
+CONF = ROOT / "conf"
 TARGETS = {"full": 1.35, "selective": 1.10, "lightning": 1.02, "full_activation": 0.25}
+HEAD_VOCAB = 32768  # a BPE vocabulary (LLaMA-2's is 32000)
 
 log = logging.getLogger(__name__)
 
 
-class BenchError(ValueError):
-    """A request this machine or shape cannot run; the message is one line."""
-
-
 # ----------------------------------------------------------------------------------------------------
-# Setup: shape, model, batch, the training step.
+# What runs: configurations (sections), each with its variants and the rows that read them.
 # ----------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Setup:
-    model_name: str
-    gpt: GPTConfig
-    batch: int
-    seq: int
-    device: torch.device
-    precision: str  # bf16-mixed | 32-true
-    rounds: int
-    warmup: int
-    overhead_steps: int
-    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)  # policy -> why it cannot run here
-    command: str = COMMAND
+class RowSpec:
+    kind: str  # policy | head
+    key: str  # the variant it reads
+    base: str  # the variant its ratios are against
+    policy: str
+    loss: str
+
+
+@dataclass
+class Section:
+    """One composed configuration: one module, one batch; its variants are timed interleaved."""
+
+    model: str
+    overrides: list[str]
+    config: Config
+    env: dict[str, Any]
+    variants: dict[str, Variant] = field(default_factory=dict)
+    rows: list[RowSpec] = field(default_factory=list)
+    overhead: bool = False
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        return self.config.batch_size * self.config.seq_len * self.config.accum
 
-    def describe(self) -> str:
-        g = self.gpt
-        return (
-            f"GPT `{self.model_name}`: L={g.n_layer}, d={g.n_embd}, {g.n_head} heads, vocab {g.vocab_size}, "
-            f"{g.attention} attention, dropout {g.dropout}; batch {self.batch}×{self.seq} tokens; {self.precision}"
-        )
+    def add(self, key: str, variant: Variant, row: RowSpec) -> None:
+        self.variants.setdefault(key, variant)  # one variant may be read by a policy row and a head row
+        self.rows.append(row)
 
 
-def make_setup(args: argparse.Namespace) -> Setup:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise BenchError(
-            f"--device cuda: no CUDA device is visible to torch {torch.__version__} ({build}); use --device cpu"
-        )
-    path = ROOT / "conf" / "model" / f"{args.model}.yaml"
-    if not path.is_file():
-        raise BenchError(f"--model {args.model}: no conf/model/{args.model}.yaml")
-    node = OmegaConf.to_container(OmegaConf.load(path))
-    assert isinstance(node, dict)
-    shape = SHAPES.get(args.model, {"batch": 4, "seq": int(node["block_size"]), "vocab": 256})
-    values = {k: v for k, v in node.items() if k in GPTConfig.__dataclass_fields__}
-    seq = args.seq or shape["seq"]
-    values["vocab_size"] = args.vocab or shape["vocab"]
-    values["block_size"] = max(int(values["block_size"]), seq)
-    if args.attention:
-        values["attention"] = args.attention
-    if args.dropout is not None:
-        values["dropout"] = args.dropout
+def _label(name: str, policy: Policy) -> str:
+    params = policy_params(policy)
+    shown = {k: v for k, v in params.items() if k in ("k", "pattern", "blocks") and v not in ([], None)}
+    text = ", ".join(f"{k}={list(v) if isinstance(v, (list, tuple)) else v}" for k, v in shown.items())
+    return name + (f" ({text.replace(chr(39), '')})" if text else "")
+
+
+def _key(policy: str, loss: LossConfig) -> str:
+    return f"{policy}|{loss.name}" + ("" if loss.name == "standard" else f"|{loss.chunk_tokens}")
+
+
+def _head_label(loss: LossConfig) -> str:
+    return loss.name if loss.name == "standard" else f"{loss.name} (chunk_tokens={loss.chunk_tokens})"
+
+
+def model_overrides(args: argparse.Namespace, model: str) -> list[str]:
+    """Hydra overrides for one model: `model=<name>`, the shortcut flags, then the positional overrides."""
+    out = [f"model={model}"]
+    for flag, key in (
+        ("batch", "batch_size"),
+        ("seq", "seq_len"),
+        ("vocab", "model.vocab_size"),
+        ("attention", "model.attention"),
+        ("dropout", "model.dropout"),
+        ("precision", "precision"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{key}={value}")
+    out += list(args.overrides)
+    if not any(o.startswith("seq_len=") for o in out):
+        # conf/config.yaml's seq_len, capped at the model's context (micro: 64)
+        path = CONF / "model" / f"{model}.yaml"
+        block = next((o.split("=", 1)[1] for o in out if o.startswith("model.block_size=")), None)
+        if block is None and path.is_file():
+            block = OmegaConf.load(path).get("block_size")
+        seq = int(OmegaConf.load(CONF / "config.yaml").seq_len)
+        if block is not None and int(block) < seq:
+            out.append(f"seq_len={block}")
+    return out
+
+
+def _compose(overrides: list[str], device: str) -> tuple[Config, dict[str, Any]]:
     try:
-        gpt = GPTConfig(**values)
-    except ValueError as e:
-        raise BenchError(str(e)) from None
-    configs = policy_configs()
-    wanted = args.policies.split(",") if args.policies else list(configs)
-    unknown = [p for p in wanted if p not in configs]
-    if unknown:
-        raise BenchError(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(configs)}")
-    if "none" not in wanted:
-        wanted.insert(0, "none")  # every ratio is against it
-    skipped: dict[str, str] = {}
-    for name in list(wanted):
-        # A policy that cannot run from its conf alone (policy=auto needs a budget and its planning callback)
-        # is left out with its one-line reason, unless it was asked for by name.
-        try:
-            build_policy(configs[name]).check(gpt.n_layer, gpt.attention)
-        except PolicyError as e:
-            if args.policies:
-                raise BenchError(f"--policies {name}: {e}") from None
-            skipped[name] = str(e)
-            wanted.remove(name)
-    cuda = args.device == "cuda"
-    return Setup(
-        model_name=args.model,
-        gpt=gpt,
-        batch=args.batch or shape["batch"],
-        seq=seq,
-        device=torch.device(args.device),
-        precision=args.precision,
-        rounds=args.rounds or (10 if cuda else 6),
-        # On CPU the memory/FLOP steps before the timed rounds have run every policy already.
-        warmup=args.warmup if args.warmup is not None else (2 if cuda else 0),
-        overhead_steps=args.overhead_steps or (30 if cuda else 8),
-        policies={name: configs[name] for name in wanted},
-        skipped=skipped,
-    )
+        return bench_config(overrides, device)
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        raise BenchError(f"{' '.join(overrides)}: {line}") from None
 
 
-def fixed_batch(s: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, s.gpt.vocab_size, (s.batch, s.seq), generator=g)
-    y = torch.randint(0, s.gpt.vocab_size, (s.batch, s.seq), generator=g)
-    return x, y  # on the host: both loops move it to the device every step, as a data loader's batch would be
-
-
-def autocast(s: Setup) -> contextlib.AbstractContextManager[Any]:
-    if s.precision == "bf16-mixed":
-        # As Lightning's MixedPrecision plugin enters it: without the weight-cast cache, so the bare step keeps the
-        # same tensors alive as train.py's (the cache would hold each weight's bf16 copy until the forward ends).
-        return torch.autocast(s.device.type, dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Stepper:
-    """One model, its AdamW and LR schedule (as `GPTModule.configure_optimizers` builds them), and the bare step."""
-
-    def __init__(self, s: Setup, base: GPT) -> None:
-        from trainer.module import GPTModule
-
-        self.s = s
-        module = GPTModule(asdict(s.gpt), "none", max_steps=10_000)
-        module.model.load_state_dict(base.state_dict())
-        self.model = module.model.to(s.device).train()
-        conf = module.configure_optimizers()
-        self.opt = conf["optimizer"]
-        self.sched = conf["lr_scheduler"]["scheduler"]
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-
-    def use(self, policy: Policy) -> None:
-        apply_policy(self.model, policy)
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with autocast(self.s):
-            _, loss = self.model(x, y)
-        # Where Lightning's closure clears gradients: after the forward, before the backward. Last step's gradients
-        # are alive through the forward, as in train.py's runs, so the whole-step peak is the one they report.
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, after_backward: Callable[[], None] | None = None) -> None:
-        x = x.to(self.s.device, non_blocking=True)
-        y = y.to(self.s.device, non_blocking=True)
-        self.forward_backward(x, y)
-        if after_backward is not None:
-            after_backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.sched.step()
-
-    def training_state(self) -> list[torch.Tensor]:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
-        for state in self.opt.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
+def plan_sections(args: argparse.Namespace) -> list[Section]:
+    sections: list[Section] = []
+    only = args.policies.split(",") if args.policies else None
+    if only is not None and "none" not in only:
+        only.insert(0, "none")  # every ratio is against it
+    for model in args.models:
+        overrides = model_overrides(args, model)
+        config, env = _compose(overrides, args.device)
+        s = Section(model, overrides, config, env, overhead=args.overhead_steps > 0)
+        runnable, s.skipped = registered_policies(config, only)
+        if only is not None and s.skipped:
+            name, why = next(iter(s.skipped.items()))
+            raise BenchError(f"--policies {name}: {why}")
+        loss = config.loss
+        for name, make in runnable.items():
+            key = _key(name, loss)
+            s.add(key, Variant(key, make, loss), RowSpec("policy", key, _key("none", loss), name, loss.name))
+        sections.append(s)
+    if args.head_vocab:
+        head_model = args.head_model or args.models[0]
+        base = [o for o in model_overrides(args, head_model) if not o.startswith("model.vocab_size=")]
+        overrides = [*base, f"model.vocab_size={args.head_vocab}"]
+        config, env = _compose(overrides, args.device)
+        s = next((x for x in sections if x.config == config), None)
+        if s is None:
+            s = Section(head_model, overrides, config, env)
+            sections.append(s)
+        tokens = config.batch_size * config.seq_len
+        chunk = args.chunk_tokens or max(1, min(config.loss.chunk_tokens, tokens // 4))
+        head_policies = args.head_policies.split(",")
+        runnable, skipped = registered_policies(config, head_policies)
+        if skipped:
+            name, why = next(iter(skipped.items()))
+            raise BenchError(f"--head-policies {name}: {why}")
+        for name, make in runnable.items():
+            for head in LOSSES:
+                try:
+                    loss = LossConfig(name=head, chunk_tokens=chunk, ignore_index=config.loss.ignore_index)
+                except ValueError as e:  # fused needs torch ≥ 2.13: the row says so
+                    s.skipped[f"loss={head}"] = str(e)
+                    continue
+                key, base = _key(name, loss), _key(name, LossConfig())
+                s.add(key, Variant(key, make, loss), RowSpec("head", key, base, name, head))
+    return sections
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -240,78 +233,15 @@ class Stepper:
 # ----------------------------------------------------------------------------------------------------
 
 
-def measure_memory_and_flops(st: Stepper, policy: Policy, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-    """Untimed steps: FLOPs of forward + backward, tracker activation peak, whole-step peak.
-
-    Every step leaves the parameters' gradients in place (as a training loop does between steps), so each measured
-    step starts from the same state as a step of train.py: weights, last step's gradients, AdamW state.
-    """
-    s = st.s
-    x, y = batch
-    st.use(policy)
-    xd, yd = x.to(s.device), y.to(s.device)
-    torch.manual_seed(1)  # the same dropout masks for every policy
-    flops = count_flops(lambda: st.forward_backward(xd, yd))
-
-    torch.manual_seed(1)
-    tracker = LiveTensorTracker(device=s.device.type)
-    activation: list[int] = []
-
-    def close_activation_window() -> None:
-        sync(s.device)
-        grads = [p.grad for p in st.model.parameters()]
-        activation.append(tracker.peak_bytes_excluding(grads, until=tracker.mark()))
-
-    sync(s.device)
-    with tracker:
-        tracker.adopt(st.training_state())
-        st.step(x, y, after_backward=close_activation_window)
-        sync(s.device)
-    out: dict[str, Any] = {"activation_bytes": activation[0], "tracker_total_bytes": tracker.peak_bytes}
-    if s.device.type == "cuda":
-        torch.manual_seed(1)
-        sync(s.device)
-        torch.cuda.reset_peak_memory_stats(s.device)
-        st.step(x, y)
-        sync(s.device)
-        out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(s.device)
-        out["cuda_peak_reserved_bytes"] = torch.cuda.memory_stats(s.device).get("reserved_bytes.all.peak", 0)
-        out["peak_total_bytes"] = out["cuda_peak_allocated_bytes"]
-    else:
-        out["peak_total_bytes"] = out["tracker_total_bytes"]
-    out["flops"] = flops
-    return out
-
-
-def time_policies(
-    st: Stepper, policies: dict[str, Policy], batch: tuple[torch.Tensor, torch.Tensor]
-) -> dict[str, list[float]]:
-    """Seconds per step for each policy: `warmup` untimed rounds, then `rounds` interleaved, order rotated."""
-    s = st.s
-    names = list(policies)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(s.warmup + s.rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            st.use(policies[name])
-            sync(s.device)
-            t0 = time.perf_counter()
-            st.step(*batch)
-            sync(s.device)
-            if r >= s.warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
 class _FixedBatches(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
-        self.x, self.y, self.n = x, y, n
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        self.batches, self.n = batches, n
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x, self.y
+        return self.batches[i % len(self.batches)]
 
 
 @contextlib.contextmanager
@@ -330,48 +260,51 @@ def _quiet_lightning() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def time_overhead(s: Setup, base: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, list[float]]:
-    """Policy `none`: bare-loop steps and `lightning.Trainer.fit` iterations, alternating step by step.
+def time_overhead(config: Config, device: torch.device, steps: int) -> dict[str, list[float]]:
+    """Policy `none`: bare steps and `lightning.Trainer.fit` iterations, alternating step by step.
 
-    One fit of the project's `GPTModule` over `overhead_steps + 2` steps of a fixed in-memory batch. A callback's
-    `on_train_batch_start` first runs one bare step of a second model from the same initialisation (its own
-    AdamW and schedule), timed on its own, then stamps the start of Lightning's iteration, which runs until the
-    next `on_train_batch_start`: fetching the batch, moving it, `training_step`, backward, clipping, the optimizer,
-    the scheduler, every hook and the loop's own bookkeeping. Pairs of steps run back to back under the same load,
-    so their ratio is not at the mercy of what else the machine does. The first pair (AdamW state) is dropped.
+    One fit of the configured DecoderModule over `steps + 2` optimizer steps of a fixed in-memory batch. At the
+    first micro-batch of each step a callback's `on_train_batch_start` runs one bare step of a twin module (same
+    seed, its own AdamW and schedule), timed on its own, then stamps the start of Lightning's iteration, which runs
+    until the next step's `on_train_batch_start`: fetching and moving the batch, `training_step`, backward, clipping,
+    the optimizer, the scheduler, every hook and the loop's own bookkeeping. Pairs run back to back under the same
+    load. The first pair (AdamW state) is dropped, and the last bare step has no Lightning iteration after it.
     """
     import lightning as L
 
-    from trainer.module import GPTModule
-
-    x, y = batch
-    bare = Stepper(s, base)
-    module = GPTModule(asdict(s.gpt), "none", max_steps=10_000)
-    module.model.load_state_dict(base.state_dict())
+    bare = Harness(config, device)
+    module = build_module(config)
+    accum = config.accum
+    x, y = bare.batch
+    mb = config.batch_size
+    micro = [(x[i : i + mb], y[i : i + mb]) for i in range(0, x.shape[0], mb)]
     out: dict[str, list[float]] = {"bare": [], "lightning": []}
     stamps: list[float] = []
 
     class Alternate(L.Callback):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, b: Any, batch_idx: int) -> None:
-            sync(s.device)
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % accum:
+                return
+            sync(device)
             t0 = time.perf_counter()
             if stamps:  # the Lightning iteration that started at the last stamp ends here
                 out["lightning"].append(t0 - stamps[-1])
-            bare.step(x, y)
-            sync(s.device)
+            bare.step()
+            sync(device)
             t1 = time.perf_counter()
             out["bare"].append(t1 - t0)
             stamps.append(t1)
 
-    n = s.overhead_steps + 2
-    loader = torch.utils.data.DataLoader(_FixedBatches(x, y, n), batch_size=None, shuffle=False)
+    n = steps + 2
+    loader = torch.utils.data.DataLoader(_FixedBatches(micro, n * accum), batch_size=None, shuffle=False)
     with _quiet_lightning():
         trainer = L.Trainer(
-            accelerator=s.device.type,
+            accelerator=device.type,
             devices=1,
             max_steps=n,
-            precision=s.precision,
-            gradient_clip_val=1.0,
+            precision=config.precision,
+            gradient_clip_val=config.trainer.grad_clip or None,
+            accumulate_grad_batches=accum,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -381,232 +314,254 @@ def time_overhead(s: Setup, base: GPT, batch: tuple[torch.Tensor, torch.Tensor])
             callbacks=[Alternate()],
         )
         trainer.fit(module, train_dataloaders=loader)
-    k = len(out["lightning"])  # the last bare step has no Lightning iteration after it that was timed
+    k = len(out["lightning"])
     return {"bare": out["bare"][1:k], "lightning": out["lightning"][1:k]}
 
 
-def estimates(s: Setup) -> tuple[dict[str, Any], str | None]:
-    """The estimator's prediction per policy, or ({}, why) when it cannot be used."""
-    try:
-        from trainer.estimate import estimate
-        from trainer.schema import Config, ModelConfig
-    except Exception as e:  # the estimator is optional here: the measured columns stand on their own
-        return {}, f"trainer.estimate not importable ({type(e).__name__}: {e})"
+def _estimates(s: Section, device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
+    """The estimator's figures per variant; a failure is reported in its row (traceback on stderr), so the measured
+    figures of the others still come out."""
+    session = estimator_session(s.config, device)
     out: dict[str, Any] = {}
-    for name, cfg in s.policies.items():
+    errors: dict[str, str] = {}
+    for key, v in s.variants.items():
         try:
-            config = Config(
-                model=ModelConfig(name=s.model_name, **asdict(s.gpt)),
-                policy=dict(cfg),
-                batch_size=s.batch,
-                seq_len=s.seq,
-                precision=s.precision,
-            )
-            out[name] = estimate(config, s.device.type)
+            out[key] = estimated(session, v)
         except Exception as e:
-            out[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return out, None
+            traceback.print_exc(file=sys.stderr)
+            errors[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return out, errors
 
 
-# ----------------------------------------------------------------------------------------------------
-# The run and its report.
-# ----------------------------------------------------------------------------------------------------
-
-
-def _median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
-def _spread(values: list[float]) -> float:
-    """Half the interquartile range over the median: how far a typical step strays."""
-    if len(values) < 4:
-        return (max(values) - min(values)) / 2 / statistics.median(values)
-    q = statistics.quantiles(values, n=4)
-    return (q[2] - q[0]) / 2 / statistics.median(values)
-
-
-def _label(name: str, cfg: dict[str, Any]) -> str:
-    shown = {k: v for k, v in cfg.items() if k in ("k", "pattern", "blocks") and v not in ([], None)}
-    params = ", ".join(f"{k}={v}" for k, v in shown.items()).replace("'", "")
-    return name + (f" ({params})" if params else "")
-
-
-def command_line(argv: list[str]) -> str:
-    """The command to rerun: this one's arguments without --out/--write-readme (the header adds the latter)."""
-    kept, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not (a.startswith("--out=") or a == "--write-readme"):
-            kept.append(a)
-    return " ".join([COMMAND, *kept])
-
-
-def run(s: Setup) -> dict[str, Any]:
-    t_start = time.perf_counter()
-    torch.manual_seed(0)
-    base = GPT(s.gpt)
-    batch = fixed_batch(s)
-    policies = {name: build_policy(cfg) for name, cfg in s.policies.items()}
-    st = Stepper(s, base)
-    for _ in range(max(1, s.warmup)):  # AdamW state exists before anything is measured
-        st.step(*batch)
-    phases = {"setup": time.perf_counter() - t_start}
-
+def run_section(
+    s: Section, index: int, device: torch.device, rounds: int, warmup: int, overhead_steps: int
+) -> dict[str, Any]:
+    phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    measured = {name: measure_memory_and_flops(st, p, batch) for name, p in policies.items()}
-    phases["memory_flops"], t0 = time.perf_counter() - t0, time.perf_counter()
-    times = time_policies(st, policies, batch)
-    phases["policy_steps"], t0 = time.perf_counter() - t0, time.perf_counter()
-    del st
+    with quiet_policy_notices():
+        h = Harness(s.config, device)
+        h.warm(max(1, warmup))
+        describe = h.describe()
+        vocab = h.vocab
+        figures: dict[str, Figures] = {}
+        plans: dict[str, str] = {}
+        for key, v in s.variants.items():
+            figures[key] = h.measure(v)
+            plans[key] = h.module.model.activation_plan.describe()
+        phases["memory_flops"], t0 = time.perf_counter() - t0, time.perf_counter()
+        times = h.interleaved(s.variants, rounds, warmup)
+        phases["timed_rounds"], t0 = time.perf_counter() - t0, time.perf_counter()
+    del h
     gc.collect()
-    if s.device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    overhead = time_overhead(s, base, batch)
-    phases["lightning_vs_bare"], t0 = time.perf_counter() - t0, time.perf_counter()
-    est, est_error = estimates(s)
-    phases["estimator"] = time.perf_counter() - t0
+    est, est_errors = _estimates(s, device)
+    phases["estimator"], t0 = time.perf_counter() - t0, time.perf_counter()
+    overhead = None
+    if s.overhead:
+        overhead = time_overhead(s.config, device, overhead_steps)
+        phases["lightning_vs_bare"] = time.perf_counter() - t0
 
-    none_t, none_m = times["none"], measured["none"]
     rows: list[dict[str, Any]] = []
-    for name, cfg in s.policies.items():
-        m, t = measured[name], times[name]
-        e = est.get(name)
+    for spec in s.rows:
+        f, t = figures[spec.key], times[spec.key]
+        fb, tb = figures[spec.base], times[spec.base]
+        e, eb = est.get(spec.key), est.get(spec.base)
         ms = statistics.median(t) * 1e3
+        v = s.variants[spec.key]
         row: dict[str, Any] = {
-            "kind": "policy",
-            "name": name,
-            "label": _label(name, cfg),
-            "plan": policies[name].plan(base).describe(),
+            "kind": spec.kind,
+            "section": index,
+            "model": s.model,
+            "vocab": vocab,
+            "name": spec.policy if spec.kind == "policy" else f"{spec.policy}/{spec.loss}",
+            "label": _label(spec.policy, v.policy) if spec.kind == "policy" else _head_label(v.loss),
+            "policy": spec.policy,
+            "loss": spec.loss,
+            "plan": plans[spec.key],
             "step_ms": ms,
-            "step_spread": _spread(t),
-            "step_ratio": _median_ratio(t, none_t),
+            "step_spread": spread(t),
+            "step_ratio": median_ratio(t, tb),
             "tokens_per_s": s.tokens / (ms / 1e3),
-            "activation_mib": m["activation_bytes"] / MIB,
-            "activation_ratio": m["activation_bytes"] / none_m["activation_bytes"],
-            "peak_total_mib": m["peak_total_bytes"] / MIB,
-            "flops": m["flops"],
-            "flops_ratio": m["flops"] / none_m["flops"],
-            "est_activation_mib": None,
-            "est_peak_total_mib": None,
-            "est_flops_ratio": None,
-            "est_error": est_error if e is None else (e if isinstance(e, str) else None),
+            "activation_mib": f.activation_bytes / MIB,
+            "activation_ratio": f.activation_bytes / fb.activation_bytes,
+            "head_mib": f.head_bytes / MIB,
+            "head_share": f.head_bytes / f.activation_bytes,
+            "peak_total_mib": f.total_bytes / MIB,
+            "flops": f.flops,
+            "flops_ratio": f.flops / fb.flops,
+            "flops_uncounted": ",".join(f.uncounted_ops),
+            "est_activation_mib": None if e is None else e.activation_bytes / MIB,
+            "est_head_mib": None if e is None else e.head_bytes / MIB,
+            "est_peak_total_mib": None if e is None else e.peak_bytes / MIB,
+            "est_flops_ratio": None if e is None or eb is None else e.flops / eb.flops,
+            "est_error": est_errors.get(spec.key),
         }
-        if "cuda_peak_reserved_bytes" in m:
-            row["cuda_peak_reserved_mib"] = m["cuda_peak_reserved_bytes"] / MIB
-        if e is not None and not isinstance(e, str):
-            row["est_activation_mib"] = e.activation_bytes / MIB
-            row["est_peak_total_mib"] = e.peak_bytes / MIB
-            none_e = est.get("none")
-            if none_e is not None and not isinstance(none_e, str):
-                row["est_flops_ratio"] = e.flops / none_e.flops
+        if f.cuda_peak_allocated_bytes is not None:
+            row["cuda_peak_allocated_mib"] = f.cuda_peak_allocated_bytes / MIB
         rows.append(row)
-    bare_ms = statistics.median(overhead["bare"]) * 1e3
-    light_ms = statistics.median(overhead["lightning"]) * 1e3
-    light_ratio = _median_ratio(overhead["lightning"], overhead["bare"])
-    rows.append(
-        {
-            "kind": "overhead",
-            "name": "lightning_vs_bare",
-            "label": "Lightning Trainer.fit vs bare loop (policy none)",
-            "bare_step_ms": bare_ms,
-            "bare_spread": _spread(overhead["bare"]),
-            "lightning_step_ms": light_ms,
-            "lightning_spread": _spread(overhead["lightning"]),
-            "step_ms": light_ms,
-            "step_ratio": light_ratio,
-            "pairs": len(overhead["bare"]),
-            "tokens_per_s": s.tokens / (light_ms / 1e3),
-        }
-    )
+    if overhead is not None:
+        bare_ms = statistics.median(overhead["bare"]) * 1e3
+        light_ms = statistics.median(overhead["lightning"]) * 1e3
+        rows.append(
+            {
+                "kind": "overhead",
+                "section": index,
+                "model": s.model,
+                "vocab": vocab,
+                "name": "lightning_vs_bare",
+                "label": "Lightning Trainer.fit vs bare loop (policy none)",
+                "bare_step_ms": bare_ms,
+                "bare_spread": spread(overhead["bare"]),
+                "lightning_step_ms": light_ms,
+                "lightning_spread": spread(overhead["lightning"]),
+                "step_ms": light_ms,
+                "step_ratio": median_ratio(overhead["lightning"], overhead["bare"]),
+                "pairs": len(overhead["bare"]),
+                "tokens_per_s": s.tokens / (light_ms / 1e3),
+            }
+        )
     return {
-        "meta": {**meta(s, time.perf_counter() - t_start, est_error), "phase_seconds": phases},
+        "model": s.model,
+        "overrides": s.overrides,
+        "shape": describe,
+        "precision": s.config.precision,
+        "grad_clip": s.config.trainer.grad_clip,
+        "skipped": s.skipped,
         "rows": rows,
         "samples": {"step_s": times, "overhead_s": overhead},
+        "phase_seconds": phases,
     }
 
 
-def meta(s: Setup, seconds: float, est_error: str | None) -> dict[str, Any]:
-    device = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else cpu_name()
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    sections = plan_sections(args)
+    cuda = device.type == "cuda"
+    rounds = args.rounds or (10 if cuda else 6)
+    # On CPU the memory and FLOP steps before the timed rounds have run every variant already.
+    warmup = args.warmup if args.warmup is not None else (2 if cuda else 0)
+    overhead = args.overhead_steps
+    for s in sections:
+        labels = ", ".join(dict.fromkeys(v.label for v in s.variants.values()))
+        print(f"bench: {' '.join(s.overrides)} on {device}: {labels}", file=sys.stderr)
+    results = [run_section(s, i, device, rounds, warmup, overhead) for i, s in enumerate(sections)]
     return {
-        "date": dt.date.today().isoformat(),
-        "command": s.command,
-        "torch": torch.__version__,
-        "device": s.device.type,
-        "device_name": device,
-        "threads": torch.get_num_threads(),
-        "shape": s.describe(),
-        "model": {"name": s.model_name, **asdict(s.gpt)},
-        "batch": s.batch,
-        "seq": s.seq,
-        "precision": s.precision,
-        "rounds": s.rounds,
-        "warmup_rounds": s.warmup,
-        "overhead_pairs": s.overhead_steps,
-        "seconds": seconds,
-        "estimator": est_error or "trainer.estimate.estimate",
-        "skipped_policies": s.skipped,
+        "meta": {
+            **sections[0].env,
+            "command": args.command,
+            "models": args.models,
+            "rounds": rounds,
+            "warmup_rounds": warmup,
+            "overhead_pairs": overhead,
+            "head_vocab": args.head_vocab,
+            "seconds": time.perf_counter() - t_start,
+        },
+        "sections": [{k: v for k, v in r.items() if k not in ("rows", "samples")} for r in results],
+        "rows": [row for r in results for row in r["rows"]],
+        "samples": {f"{r['model']} {' '.join(r['overrides'])}": r["samples"] for r in results},
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report.
+# ----------------------------------------------------------------------------------------------------
 
 
 def _f(v: Any, fmt: str) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def _flops_cell(r: dict[str, Any]) -> str:
+    return f"{r['flops_ratio']:.3f}" + (" †" if r["flops_uncounted"] else "")
+
+
 def table(result: dict[str, Any]) -> str:
-    rows = [r for r in result["rows"] if r["kind"] == "policy"]
-    lines = [
-        "| policy | step ms | × none | tokens/s | activation MiB | est. | est./meas. | peak total MiB | est. "
-        "| FLOPs × none | est. |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        est_act = r["est_activation_mib"]
-        lines.append(
-            f"| `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% | {r['step_ratio']:.2f} "
-            f"| {r['tokens_per_s']:,.0f} | {r['activation_mib']:.1f} | {_f(est_act, '.1f')} "
-            f"| {_f(None if est_act is None else est_act / r['activation_mib'], '.2f')} "
-            f"| {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
-            f"| {r['flops_ratio']:.3f} | {_f(r['est_flops_ratio'], '.3f')} |"
-        )
-    o = next(r for r in result["rows"] if r["kind"] == "overhead")
-    lines += [
-        "",
-        "| loop (policy `none`) | step ms | × bare |",
-        "|---|---:|---:|",
-        f"| bare PyTorch loop | {o['bare_step_ms']:.1f} ±{100 * o['bare_spread']:.0f}% | 1.00 |",
-        f"| Lightning `Trainer.fit` | {o['lightning_step_ms']:.1f} ±{100 * o['lightning_spread']:.0f}% "
-        f"| {o['step_ratio']:.3f} |",
-    ]
+    lines: list[str] = []
+    policy_rows = [r for r in result["rows"] if r["kind"] == "policy"]
+    if policy_rows:
+        lines += [
+            "| model | policy | step ms | × none | tokens/s | activation MiB | est. | est./meas. | peak total MiB "
+            "| est. | FLOPs × none | est. |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in policy_rows:
+            est_act = r["est_activation_mib"]
+            lines.append(
+                f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% "
+                f"| {r['step_ratio']:.2f} | {r['tokens_per_s']:,.0f} | {r['activation_mib']:.1f} "
+                f"| {_f(est_act, '.1f')} | {_f(None if est_act is None else est_act / r['activation_mib'], '.2f')} "
+                f"| {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} | {_flops_cell(r)} "
+                f"| {_f(r['est_flops_ratio'], '.3f')} |"
+            )
+    head_rows = [r for r in result["rows"] if r["kind"] == "head"]
+    if head_rows:
+        if lines:
+            lines.append("")
+        lines += [
+            "| model (vocab) | policy | loss head | step ms | × standard | activation MiB | est. | head MiB | est. "
+            "| head share | peak total MiB | est. | FLOPs × standard | est. |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in head_rows:
+            lines.append(
+                f"| {r['model']} ({r['vocab']}) | `{r['policy']}` | `{r['label']}` | {r['step_ms']:.1f} "
+                f"±{100 * r['step_spread']:.0f}% | {r['step_ratio']:.2f} | {r['activation_mib']:.1f} "
+                f"| {_f(r['est_activation_mib'], '.1f')} | {r['head_mib']:.1f} | {_f(r['est_head_mib'], '.1f')} "
+                f"| {100 * r['head_share']:.0f}% | {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
+                f"| {_flops_cell(r)} | {_f(r['est_flops_ratio'], '.3f')} |"
+            )
+    uncounted = sorted(
+        {op for r in result["rows"] if r.get("flops_uncounted") for op in r["flops_uncounted"].split(",")}
+    )
+    if uncounted:
+        lines += ["", f"† FlopCounterMode has no formula for {', '.join(f'`{o}`' for o in uncounted)}: the FLOPs "
+                  "inside it are not counted (measured or estimated)."]  # fmt: skip
+    overhead = [r for r in result["rows"] if r["kind"] == "overhead"]
+    if overhead:
+        lines += ["", "| model | loop (policy `none`) | step ms | × bare |", "|---|---|---:|---:|"]
+        for o in overhead:
+            lines += [
+                f"| {o['model']} | bare loop (`trainer.step.bare_step`) | {o['bare_step_ms']:.1f} "
+                f"±{100 * o['bare_spread']:.0f}% | 1.00 |",
+                f"| {o['model']} | Lightning `Trainer.fit` | {o['lightning_step_ms']:.1f} "
+                f"±{100 * o['lightning_spread']:.0f}% | {o['step_ratio']:.3f} |",
+            ]
     return "\n".join(lines)
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    by = {r["name"]: r for r in result["rows"]}
-    attention = result["meta"]["model"]["attention"]
     out = []
+    for i, section in enumerate(result["sections"]):
+        by = {r["name"]: r for r in result["rows"] if r["section"] == i and r["kind"] in ("policy", "overhead")}
+        if "none" not in by:
+            continue  # a section of loss heads only
 
-    def add(what: str, key: str, row: str, limit: float, fmt: str, note: str = "") -> None:
-        value = by[row][key] if row in by else None
-        out.append(
-            {
-                "target": what,
-                "value": value,
-                "limit": limit,
-                "met": None if value is None or note else value <= limit,  # a note: the target does not apply
-                "shown": "n/a" if value is None else format(value, fmt),
-                "note": note,
-            }
-        )
+        def add(what: str, key: str, row: str, limit: float, fmt: str, note: str = "", **kw: Any) -> None:
+            value = kw["by"][row][key] if row in kw["by"] else None
+            out.append(
+                {
+                    "model": kw["model"],
+                    "target": what,
+                    "value": value,
+                    "limit": limit,
+                    "met": None if value is None or note else value <= limit,  # a note: the target does not apply
+                    "shown": "n/a" if value is None else format(value, fmt),
+                    "note": note,
+                }
+            )
 
-    add("full step time ≤ 1.35× none", "step_ratio", "full", TARGETS["full"], ".2f")
-    sdpa_note = "" if attention == "eager" else f"not this run: attention={attention}, where selective stores like none"
-    add("selective (eager attention) step time ≤ 1.10× none", "step_ratio", "selective", TARGETS["selective"], ".2f",
-        sdpa_note)  # fmt: skip
-    add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f")
-    add("activation peak of full ≤ 1/4 of none", "activation_ratio", "full", TARGETS["full_activation"], ".3f")
+        where = {"by": by, "model": section["model"]}
+        add("full step time ≤ 1.35× none", "step_ratio", "full", TARGETS["full"], ".2f", **where)
+        sel = by.get("selective")
+        sdpa = sel is not None and "selective" not in sel["plan"]  # its plan says what it amounts to here
+        note = "not this run: sdpa attention, where selective stores like none" if sdpa else ""
+        add("selective (eager attention) step time ≤ 1.10× none", "step_ratio", "selective", TARGETS["selective"],
+            ".2f", note, **where)  # fmt: skip
+        add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f", **where)
+        add("activation peak of full ≤ 1/4 of none", "activation_ratio", "full", TARGETS["full_activation"], ".3f",
+            **where)  # fmt: skip
     return out
 
 
@@ -614,29 +569,47 @@ def targets_text(items: list[dict[str, Any]]) -> str:
     lines = ["Targets (reported, not asserted):", ""]
     for t in items:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
-        lines.append(f"- {t['target']}: {t['shown']} — {verdict}" + (f" ({t['note']})" if t["note"] else ""))
+        lines.append(
+            f"- {t['model']}: {t['target']}: {t['shown']} — {verdict}" + (f" ({t['note']})" if t["note"] else "")
+        )
     return "\n".join(lines)
 
 
 def header(result: dict[str, Any]) -> str:
     m = result["meta"]
-    dev = f"{m['device_name']}, {m['threads']} threads" if m["device"] == "cpu" else m["device_name"]
-    est = "" if m["estimator"] == "trainer.estimate.estimate" else f" Estimator: n/a ({m['estimator']})."
-    est += "".join(f" Not run: `{k}` ({v.rstrip('.')})." for k, v in m["skipped_policies"].items())
-    fwd = "bf16 autocast forward (no weight cache)" if m["precision"] == "bf16-mixed" else "fp32 forward"
-    peak = "CUDA max_memory_allocated" if m["device"] == "cuda" else "tracker with the training state adopted"
+    shapes = "; ".join(f"{s['shape']}" for s in result["sections"])
+    fwd = "autocast forward (no weight cache)" if m["precision"].endswith("-mixed") else f"{m['precision']} forward"
+    clip = result["sections"][0]["grad_clip"]
+    skipped = {k: v for s in result["sections"] for k, v in s["skipped"].items()}
+    not_run = "".join(f" Not run: `{k}` ({v.rstrip('.')})." for k, v in skipped.items())
+    heads = [r for r in result["rows"] if r["kind"] == "head"]
+    head_text = ""
+    if heads:
+        head_text = (
+            f" Loss heads at vocab {heads[0]['vocab']} on `{heads[0]['model']}`: ratios against `standard` under the "
+            "same policy; head MiB = the most the head (final norm, logits, loss; forward and backward) held at once "
+            "(StepMeter's head_peak), head share = head MiB / activation MiB."
+        )
+    peak = "; CUDA: the live-tensor figure (the allocator's peak is in results.csv)" if m["device"] == "cuda" else ""
     return (
-        f"Generated by `{m['command']} --write-readme` on {m['date']} (torch {m['torch']}, {dev}, "
-        f"{m['seconds']:.0f} s). Shape: {m['shape']}. One process, one model initialisation, one batch. Each "
-        f"policy runs the bare step as Lightning does it ({fwd}, zero_grad, backward, clip 1.0, AdamW, LR step) in "
-        f"{m['rounds']} interleaved rounds (order rotated) after {m['warmup_rounds']} warm-up; medians (± half the "
-        "IQR); × none = median of per-round ratios. Activation: live-tensor tracker over forward + backward, "
-        f"gradient buffers excluded. Peak total: the whole step with weights, gradients and AdamW state ({peak}). "
-        "FLOPs: FlopCounterMode, forward + backward. est.: `trainer.estimate`. Lightning: one `Trainer.fit` of "
-        "`GPTModule` on a fixed in-memory batch (no logger, checkpoints or progress bar), each iteration timed "
-        "from one `on_train_batch_start` to the next by the benchmark's own clock, alternating with a bare-loop "
-        f"step of a twin model run from that hook; median of per-pair ratios over {m['overhead_pairs']} pairs.{est}"
+        f"Generated by `{m['command']} --write-readme` ({environment_text(m)}, {m['seconds']:.0f} s). "
+        f"Shapes: {shapes}. One process; per configuration one `DecoderModule` (seeded as train.py seeds it) and one "
+        "fixed batch of random tokens. Every variant runs `trainer.step.bare_step`, the step as Lightning runs it "
+        f"({fwd}, zero_grad after the first forward, backward, clip {clip:g}, AdamW, LR step), in {m['rounds']} "
+        f"interleaved rounds (order rotated) after {m['warmup_rounds']} warm-up; medians (± half the IQR); "
+        "× = median of per-round ratios. Activation and peak total: `trainer.step.StepMeter` (a run's "
+        f"memory/activation_peak_mib and memory/peak_total_mib{peak}). FLOPs: `trainer.flops.count_flops` over the "
+        "step (recompute included). est.: `trainer.estimate` for the same config on fake tensors."
+        + head_text
+        + " Lightning: one `Trainer.fit` of the same `DecoderModule` on a fixed in-memory batch (no logger, "
+        "checkpoints or progress bar), each iteration timed from one `on_train_batch_start` to the next, alternating "
+        f"with a bare step of a twin module run from that hook; median of per-pair ratios over {m['overhead_pairs']} "
+        f"pairs.{not_run}"
     )
+
+
+def report(result: dict[str, Any]) -> str:
+    return header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
@@ -650,74 +623,100 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         w.writeheader()
         for r in result["rows"]:
             w.writerow({k: ("" if r.get(k) is None else r[k]) for k in keys})
-    (out / "table.md").write_text(
-        header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"]) + "\n"
-    )
+    (out / "table.md").write_text(report(result) + "\n")
+
+
+def command_line(argv: list[str]) -> str:
+    """The command to rerun: this one's arguments without --out/--readme/--write-readme (the header adds it)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--readme"):
+            skip = True
+        elif not (a.startswith(("--out=", "--readme=")) or a == "--write-readme"):
+            kept.append(a)
+    return " ".join([COMMAND, *kept])
+
+
+def _models(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    known = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        what = ", ".join(unknown) or repr(text)
+        raise argparse.ArgumentTypeError(f"unknown model {what}; choose from {', '.join(known)}")
+    return names
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every model, as for train.py")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    models = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
-    ap.add_argument("--model", choices=models, default="tiny", help="a conf/model shape (default: tiny)")
+    ap.add_argument("--model", type=_models, help="one conf/model option (default: tiny)")
+    ap.add_argument("--models", type=_models, help="several, comma-separated: tiny,llama-tiny")
     ap.add_argument("--rounds", type=int, help="timed interleaved rounds (default: 6 on CPU, 10 on CUDA)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default: 0 on CPU, 2 on CUDA)")
-    ap.add_argument(
-        "--overhead-steps", type=int, help="timed step pairs of Lightning vs bare (default: 8 CPU, 30 CUDA)"
-    )
-    ap.add_argument("--batch", type=int, help="micro-batch size (default: per model, 4 or 8)")
-    ap.add_argument("--seq", type=int, help="sequence length (default: per model)")
-    ap.add_argument("--vocab", type=int, help="vocabulary size (default: 256 bytes; 50257 for gpt2*)")
-    ap.add_argument("--attention", choices=("eager", "sdpa"), help="default: the model's conf")
-    ap.add_argument("--dropout", type=float, help="default: the model's conf")
-    ap.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
+    ap.add_argument("--overhead-steps", type=int, help="Lightning/bare step pairs (default: 8 CPU, 30 CUDA; 0: off)")
+    ap.add_argument("--batch", type=int, help="micro-batch size (batch_size=…)")
+    ap.add_argument("--seq", type=int, help="sequence length (seq_len=…; default: 256, at most the model's context)")
+    ap.add_argument("--vocab", type=int, help="vocabulary size (model.vocab_size=…; default: the tokenizer's, 256)")
+    ap.add_argument("--attention", choices=("eager", "sdpa"), help="model.attention=… (default: the model's conf)")
+    ap.add_argument("--dropout", type=float, help="model.dropout=… (default: the model's conf)")
+    ap.add_argument("--precision", help="precision=… (default: the config's, auto: bf16-mixed where native)")
     ap.add_argument("--policies", help="comma-separated subset (default: every registered policy)")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads (default on CPU: 1; on shared cores a 2nd thread's spin-waits cost)",
-    )
+    ap.add_argument("--head-vocab", type=int, default=HEAD_VOCAB, help="vocabulary of the loss-head rows (0: none)")
+    ap.add_argument("--head-model", help="the model of the loss-head rows (default: the first of --models)")
+    ap.add_argument("--head-policies", default="none,full", help="policies each loss head runs under (none,full)")
+    ap.add_argument("--chunk-tokens", type=int, help="loss.chunk_tokens of chunked/fused (default: tokens/4, ≤ conf)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1)")
     ap.add_argument("--out", type=Path, help="folder for results.csv/.json/table.md (default runs/bench/<stamp>)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the README block between {START} and {END}")
-    args = ap.parse_args(argv)
-    for key in ("rounds", "overhead_steps", "batch", "seq", "vocab", "threads"):
+    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    args = ap.parse_intermixed_args(argv)
+    args.models = list(dict.fromkeys([*(args.model or []), *(args.models or [])])) or ["tiny"]
+    if args.head_model is not None:
+        _models(args.head_model)
+    for key in ("rounds", "batch", "seq", "vocab", "threads", "chunk_tokens"):
         v = getattr(args, key)
         if v is not None and v < 1:
             ap.error(f"--{key.replace('_', '-')} must be ≥ 1")
-    if args.warmup is not None and args.warmup < 0:
-        ap.error("--warmup must be ≥ 0")
+    if args.overhead_steps is None:
+        args.overhead_steps = 30 if args.device == "cuda" else 8
+    for key in ("warmup", "overhead_steps", "head_vocab"):
+        v = getattr(args, key)
+        if v is not None and v < 0:
+            ap.error(f"--{key.replace('_', '-')} must be ≥ 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    args.command = command_line(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__} ({build}); use "
+              "--device cpu", file=sys.stderr)  # fmt: skip
+        return 2
     if args.threads or args.device == "cpu":
         # One thread by default on CPU: on 2 cores shared with other work, a second thread's spin-waits made a tiny
-        # step 2-5x slower and far noisier here. Ratios are what this benchmark reports; pass --threads to change.
+        # step 2-5x slower and far noisier. Ratios are what this benchmark reports; pass --threads to change.
         torch.set_num_threads(args.threads or 1)
-    policy_log = logging.getLogger("trainer.policies")
-    level = policy_log.level
-    policy_log.setLevel(logging.ERROR)  # the offload-on-CPU / selective-with-sdpa notices: the table shows both
     try:
-        s = make_setup(args)
-        s.command = command_line(argv)
-        print(f"bench: {s.describe()}; {s.device}; policies {', '.join(s.policies)}", file=sys.stderr)
-        result = run(s)
+        result = run(args)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        policy_log.setLevel(level)
     result["targets"] = targets(result)
     out = args.out or ROOT / "runs" / "bench" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     write_outputs(result, out)
-    block = header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
+    block = report(result)
     print(block)
     print(f"\nwrote {out}/results.csv, results.json, table.md", file=sys.stderr)
     if args.write_readme:
-        replace_block(README, START, END, block, HEADING)
-        print(f"wrote {README.relative_to(ROOT)} ({START} … {END})", file=sys.stderr)
+        replace_block(args.readme, START, END, block, HEADING)
+        print(f"wrote {args.readme} ({START} … {END})", file=sys.stderr)
     return 0
 
 

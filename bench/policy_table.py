@@ -1,110 +1,87 @@
 """Every policy against `none`: measured activation peak and FLOPs of one training step, as a markdown table.
 
-    python -m bench.policy_table                  # print the table
+    python -m bench.policy_table                  # print the table (the conf defaults: model=tiny, 4×256 tokens)
     python -m bench.policy_table --write-readme   # also rewrite the README block between the policy-table markers
+    python -m bench.policy_table --model llama-tiny model.attention=sdpa   # another model, Hydra overrides
 
-One process, one shape (the `tiny` model: L=6, d=256, 4 heads, T=256, B=4, bf16 autocast, dropout 0.1, eager
-attention, byte vocabulary), CPU. Each policy runs with the parameters of its conf/policy/<name>.yaml, so the
-table shows what `python train.py policy=<name>` runs. The forward runs under autocast as the trainer runs it:
-Lightning's precision plugin turns autocast's weight cache off (`cache_enabled=False`), so a weight's bf16 copy
-lives only as long as autograd keeps it (a plain `torch.autocast` would hold every copy to the end of the forward,
-and of each recompute). Per policy, from the same initial weights and the same batch and dropout masks:
+One process, one configuration composed as train.py composes it (`trainer.estimate.compose_config`; precision=auto
+settles as a run settles it), CPU unless --device cuda. One `DecoderModule` and one fixed batch of random tokens;
+each registered policy (`trainer.policies.POLICIES`) runs with the parameters of its conf/policy/<name>.yaml, so
+the table shows what `python train.py policy=<name>` runs (a policy that cannot run from its conf alone is left out
+with its reason: `auto` needs a budget, see bench/planner.py). The policies are switched on the one module between
+steps, after a warm step (so AdamW's state and last step's gradients exist); each runs the same batch with the same
+dropout masks:
 
-* activation peak: `LiveTensorTracker` over one forward + backward, excluding the parameters' .grad buffers
-  (what the step itself keeps alive: saved activations, recompute, the SAC cache, autocast weight copies): the
-  figure train.py logs as memory/activation_peak_mib;
-* FLOPs: `trainer.flops.count_flops` of the same forward + backward (recompute included).
+* activation peak: `trainer.step.StepMeter` over one `trainer.step.bare_step` (the step as Lightning runs it): the
+  figure train.py logs as memory/activation_peak_mib (saved activations, recompute, the SAC cache, autocast weight
+  copies; gradient buffers and the training state left out);
+* FLOPs: `trainer.flops.count_flops` over one more step (forward + backward, recompute included).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime as dt
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from bench._readme import README, ROOT, cpu_name, replace_block
-from models.gpt import GPT, GPTConfig
-from trainer.flops import count_flops
-from trainer.memory import MIB, LiveTensorTracker
-from trainer.policies import POLICIES, apply_policy, build_policy
+from bench._readme import README, environment_text, replace_block
+from bench.harness import MIB, BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
+from trainer.policies import policy_params
+from trainer.schema import describe_user_error
 
 START, END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
+HEADING = "## Measured: every policy against `none`"
 COMMAND = "python -m bench.policy_table --write-readme"
 
-SHAPE = dict(n_layer=6, n_embd=256, n_head=4, block_size=256, vocab_size=256, dropout=0.1, attention="eager")
-SEQ, BATCH = 256, 4
-ORDER = ["none", "full", "selective", "sqrt", "every_k", "first_k", "op_sac", "offload", "per_block"]
 
-
-def policy_configs() -> dict[str, Any]:
-    """Each registered policy with the parameters of its conf/policy yaml (registry defaults where none)."""
-    # `auto` plans for a memory budget: bench/planner.py measures it at a range of budgets.
-    names = [n for n in ORDER if n in POLICIES] + sorted(set(POLICIES) - set(ORDER) - {"auto"})
-    cfgs = {}
-    for name in names:
-        path = ROOT / "conf" / "policy" / f"{name}.yaml"
-        cfgs[name] = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {"name": name}
-    return cfgs
-
-
-def measure(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> tuple[int, int]:
-    """(activation peak bytes, FLOPs) of one bf16-autocast forward + backward, autocast as the trainer runs it."""
-
-    def step() -> None:
-        torch.manual_seed(1)  # same dropout masks for every policy
-        # Lightning's bf16-mixed plugin: no autocast weight cache (see lightning/pytorch/plugins/precision/amp.py)
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            loss = model(idx, tgt)[1]
-        loss.backward()
-
-    model.zero_grad(set_to_none=True)
-    with LiveTensorTracker() as tracker:
-        step()
-    peak = tracker.peak_bytes_excluding([p.grad for p in model.parameters()])
-    model.zero_grad(set_to_none=True)
-    flops = count_flops(step)
-    model.zero_grad(set_to_none=True)
-    return peak, flops
-
-
-def run() -> list[dict[str, Any]]:
-    torch.manual_seed(0)
-    base = GPT(GPTConfig(**SHAPE))
-    base.train()
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g)
-    tgt = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g)
+def run(overrides: list[str], device: str = "cpu") -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        config, env = bench_config(overrides, device)
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        raise BenchError(line) from None
+    runnable, skipped = registered_policies(config)
     rows = []
-    for name, cfg in policy_configs().items():
-        model = copy.deepcopy(base)
-        policy = apply_policy(model, build_policy(cfg))
-        peak, flops = measure(model, idx, tgt)
-        rows.append(
-            dict(
-                name=name,
-                params=_params(cfg),
-                plan=model.activation_plan.describe(),
-                peak=peak,
-                flops=flops,
-                policy=policy,
+    with quiet_policy_notices():
+        h = Harness(config, device)
+        h.warm()
+        for name, make in runnable.items():
+            v = Variant(name, make, config.loss)
+            f = h.measure(v)
+            rows.append(
+                {
+                    "name": name,
+                    "params": _params(policy_params(v.policy)),
+                    "plan": h.module.model.activation_plan.describe(),
+                    "activation_bytes": f.activation_bytes,
+                    "flops": f.flops,
+                    "uncounted_ops": f.uncounted_ops,
+                }
             )
-        )
-    return rows
+    return {
+        "env": env,
+        "shape": h.describe(),
+        "precision": config.precision,
+        "rows": rows,
+        "skipped": skipped,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def _params(cfg: dict[str, Any]) -> str:
-    shown = {k: v for k, v in cfg.items() if k in ("k", "pattern", "blocks") and v not in ([], None)}
-    return ", ".join(f"{k}={v}" for k, v in shown.items()).replace("'", "")
+def _params(params: dict[str, Any]) -> str:
+    shown = {k: v for k, v in params.items() if k in ("k", "pattern", "blocks") and v not in ([], None)}
+    return ", ".join(f"{k}={list(v) if isinstance(v, (list, tuple)) else v}" for k, v in shown.items()).replace("'", "")
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(out: dict[str, Any]) -> str:
+    rows = out["rows"]
     none = next(r for r in rows if r["name"] == "none")
     lines = [
         "| policy | plan (`Plan.describe()`) | activation peak MiB | × none | GFLOP fwd+bwd | × none |",
@@ -113,43 +90,52 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         name = f"`{r['name']}`" + (f" ({r['params']})" if r["params"] else "")
         lines.append(
-            f"| {name} | `{r['plan']}` | {r['peak'] / MIB:.1f} | {r['peak'] / none['peak']:.2f} "
-            f"| {r['flops'] / 1e9:.2f} | {r['flops'] / none['flops']:.3f} |"
+            f"| {name} | `{r['plan']}` | {r['activation_bytes'] / MIB:.1f} "
+            f"| {r['activation_bytes'] / none['activation_bytes']:.2f} | {r['flops'] / 1e9:.2f} "
+            f"| {r['flops'] / none['flops']:.3f} |"
         )
     return "\n".join(lines)
 
 
-def header(seconds: float) -> str:
-    s = SHAPE
-    threads = torch.get_num_threads()
+def header(out: dict[str, Any], command: str = COMMAND) -> str:
+    mixed = out["precision"].endswith("-mixed")
+    fwd = "forward under autocast with its weight cache off (Lightning's plugin)" if mixed else "no autocast"
+    not_run = "".join(f" Not run: `{k}` ({v.rstrip('.')})." for k, v in out["skipped"].items())
     return (
-        f"Generated by `{COMMAND}` on {dt.date.today().isoformat()} (torch {torch.__version__}, "
-        f"{cpu_name()}, {threads} thread{'s' if threads != 1 else ''}, {seconds:.0f} s). Shape: GPT with "
-        f"L={s['n_layer']}, d={s['n_embd']}, {s['n_head']} heads, vocab {s['vocab_size']}; batch {BATCH}×{SEQ} "
-        "tokens; bf16 autocast "
-        "with its weight cache off, as the trainer runs it (Lightning's precision plugin: cache_enabled=False); "
-        f"dropout {s['dropout']}; {s['attention']} attention; one forward + backward per policy, parameters from "
-        "conf/policy/. Activation peak: live-tensor tracker, excluding gradient buffers (train.py's "
-        "memory/activation_peak_mib). FLOPs: FlopCounterMode (recompute included; torch's checkpoint early stop "
-        "skips each region's trailing ops that nothing saves)."
+        f"Generated by `{command}` ({environment_text(out['env'])}, {out['seconds']:.0f} s). Shape: {out['shape']}; "
+        f"{fwd}. One `DecoderModule`, one batch of random tokens; per policy (parameters from conf/policy/) one "
+        "`trainer.step.bare_step`, the step as Lightning runs it. Activation peak: `trainer.step.StepMeter` "
+        "(train.py's memory/activation_peak_mib: gradient buffers and the training state left out). FLOPs: "
+        "`trainer.flops.count_flops` over the step (recompute included; torch's checkpoint early stop skips each "
+        f"region's trailing ops that nothing saves).{not_run}"
     )
 
 
-def write_readme(block: str, path: Path = README) -> None:
-    replace_block(path, START, END, block, "## Measured: every policy against `none`")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.policy_table", description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (default: the conf defaults)")
+    ap.add_argument("--model", help="a conf/model option (model=…)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on shared cores)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    rows = run()
-    block = header(time.perf_counter() - t0) + "\n\n" + table(rows)
+    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    args = ap.parse_intermixed_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    overrides = ([f"model={args.model}"] if args.model else []) + list(args.overrides)
+    try:
+        out = run(overrides, args.device)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    extra = " ".join([*(["--model", args.model] if args.model else []), *args.overrides])
+    block = header(out, f"{COMMAND} {extra}".rstrip()) + "\n\n" + table(out)
     print(block)
     if args.write_readme:
-        write_readme(block)
-        print(f"\nwrote {README.relative_to(ROOT)}", file=sys.stderr)
+        replace_block(args.readme, START, END, block, HEADING)
+        print(f"\nwrote {args.readme}", file=sys.stderr)
     return 0
 
 

@@ -26,8 +26,8 @@ import lightning as L
 import torch
 
 from callbacks.measure import MeasureCallback
-from trainer.memory import MIB
 from trainer.loss import LossConfig
+from trainer.memory import MIB
 from trainer.planner import (
     PeakModel,
     PlanResult,

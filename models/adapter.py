@@ -7,7 +7,8 @@ LightningModule use. Nothing outside models/ names a model class or reaches into
                                    the rotary cos/sin, a Hugging Face model its mask, positions and rotary table.
                                    A policy may replace a layer's forward (`override_forward`); the model's own
                                    loop still calls every layer in order, with the context it always passes.
-    adapter.hidden(idx)            (B, T) token ids -> (B, T, C) final-norm hidden states
+    adapter.hidden(idx)            (B, T) token ids -> (B, T, C) final-norm hidden states, by calling the model
+                                   (so hooks on it, FSDP2's all-gather among them, run as for any forward)
     adapter.head                   the output projection (weight (V, C), bias or None): the loss reads it
     adapter.attention              "eager" | "sdpa": is there a T×T score tensor for `selective` to drop?
     adapter.wrap_core_attention(i, wrapper)
@@ -114,7 +115,7 @@ class NativeAdapter(DecoderAdapter):
         return self.model.layers
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model.hidden_states(idx)
+        return self.model(idx, hidden_only=True)
 
     @property
     def head(self) -> nn.Linear:

@@ -17,7 +17,9 @@ touching the model.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +155,33 @@ def load_causal_lm(
     return model
 
 
+@contextlib.contextmanager
+def as_on_real_tensors() -> Iterator[None]:
+    """Run an HF model on fake tensors the way it runs on real ones (the estimator's fake run).
+
+    transformers' mask helpers take a FakeTensor for a traced graph: `find_packed_sequence_indices` then returns its
+    packed-sequence mask instead of testing it, and the model builds an explicit (B, 1, T, T) attention mask that a
+    real run of the same unpacked batch never builds (it returns None and attention runs `is_causal`). Within this
+    context the helper computes what it always computes and returns what it returns on real, unpacked positions.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids: torch.Tensor) -> None:
+        original(position_ids)  # the same temporaries as on real tensors
+        return None  # the positions are arange: one sequence per row
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def load_tokenizer(name_or_path: str) -> Any:
     """The model's own tokenizer (data.tokenizer=model), or a one-line HFModelError when it has none."""
     transformers = _transformers()
@@ -192,7 +221,16 @@ class HFAdapter(DecoderAdapter):
         return self._layers
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.base(input_ids=idx, use_cache=False).last_hidden_state
+        """The causal LM is called as a whole (hooks on it run: FSDP2's root all-gather), asked for logits at no
+        position (`logits_to_keep`: an empty index), and the base model's last hidden state is taken on its way
+        out by a forward hook."""
+        seen: list[torch.Tensor] = []
+        hook = self.base.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
+        try:
+            self.model(input_ids=idx, use_cache=False, logits_to_keep=idx.new_zeros(0))
+        finally:
+            hook.remove()
+        return seen[0]
 
     @property
     def head(self) -> nn.Linear:

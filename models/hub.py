@@ -18,16 +18,14 @@ _FLAGS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 
 
 def offline_requested() -> bool:
-    import huggingface_hub.constants as hub_constants
-
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE in the environment, or `datasets`' own flag."""
     env = any(os.environ.get(v, "").strip().lower() in _TRUE for v in _FLAGS)
     try:
         import datasets
 
-        lib = bool(datasets.config.HF_HUB_OFFLINE)
+        return env or bool(datasets.config.HF_HUB_OFFLINE)
     except ImportError:
-        lib = False
-    return env or lib or bool(hub_constants.HF_HUB_OFFLINE)
+        return env
 
 
 @contextlib.contextmanager

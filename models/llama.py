@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -231,8 +232,12 @@ class Llama(nn.Module):
         return self.model.norm(x)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, hidden_only: bool = False
+    ) -> Any:
+        """(logits, loss) — or, with `hidden_only`, the final hidden states alone, for a loss head of its own (a
+        module call, so hooks on the model, FSDP2's among them, run around it)."""
+        if hidden_only:
+            return self.hidden_states(idx)
         logits = self.lm_head(self.hidden_states(idx))  # (B, T, vocab)
         loss = None
         if targets is not None:

@@ -62,3 +62,55 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Co
         timeout=timeout,
         env=CLI_ENV,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tiny Hugging Face causal LMs, saved as a user's own model folder would be: config.json and a tokenizer.
+# ----------------------------------------------------------------------------------------------------
+
+HF_VOCAB = 320  # ≥ the tiny tokenizer's size below
+
+
+def _tiny_tokenizer() -> object:
+    """A byte-level BPE trained on a little real text (the embedded corpus), as a transformers tokenizer."""
+    import pydoc_data.topics
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    text = list(pydoc_data.topics.topics.values())[:20]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(text, vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"])
+    eot = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=eot, bos_token=eot)
+
+
+def hf_configs() -> dict[str, object]:
+    import transformers
+
+    common = {"vocab_size": HF_VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+    return {
+        "llama": transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, attention_dropout=0.1, **common,
+        ),
+        "gpt2": transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=128, **common),
+        "qwen2": transformers.Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, attention_dropout=0.1, **common,
+        ),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"llama" | "gpt2" | "qwen2": a folder with config.json and a tokenizer (no weights: pretrained=false)}."""
+    root = tmp_path_factory.mktemp("hf-models")
+    tokenizer = _tiny_tokenizer()
+    out = {}
+    for name, config in hf_configs().items():
+        folder = root / name
+        config.save_pretrained(folder)  # type: ignore[attr-defined]
+        tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
+        out[name] = folder
+    return out

@@ -1,95 +1,186 @@
-"""bench/policies.py end to end on the micro shape, and the README block writer."""
+"""The benchmarks' plumbing on tiny shapes (model=micro, seq 32): every figure from the one step and the one
+estimator, every registered policy and loss head a row, the header naming where it ran, the README block writer.
+Timings are never asserted; bytes and FLOPs are exact and are."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import datetime as dt
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from bench import planner as bench_planner
 from bench import policies as bench
-from bench._readme import replace_block
-from bench.policy_table import policy_configs
+from bench import policy_table
+from bench._readme import cpu_name, replace_block
 from tests.conftest import ROOT
+from trainer.policies import POLICIES, Plan
+from trainer.precision import cpu_bf16_native, resolve
+
+MIB = 2**20
+MICRO = ["--model", "micro", "--seq", "32"]
+HEAD_VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
-def micro_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("bench")
+def micro_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of every policy and every loss head (under none and full) at the micro shape, written to a copy of
+    the README."""
+    tmp = tmp_path_factory.mktemp("bench")
+    readme = tmp / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    args = [*MICRO, "--rounds", "2", "--overhead-steps", "2", "--head-vocab", str(HEAD_VOCAB)]
+    args += ["--out", str(tmp / "out"), "--write-readme", "--readme", str(readme)]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        rc = bench.main(["--model", "micro", "--rounds", "2", "--overhead-steps", "3", "--out", str(out)])
+        rc = bench.main(args)
     assert rc == 0
-    return out, stdout.getvalue()
+    data = json.loads((tmp / "out" / "results.json").read_text())
+    return {"out": tmp / "out", "readme": readme, "printed": stdout.getvalue(), "data": data}
 
 
-def test_writes_one_row_per_policy_and_the_overhead_row(micro_run: tuple[Path, str]) -> None:
-    out, printed = micro_run
-    data = json.loads((out / "results.json").read_text())
-    with (out / "results.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    skipped = set(data["meta"]["skipped_policies"])
-    expected = [n for n in policy_configs() if n not in skipped]
-    assert [r["name"] for r in rows if r["kind"] == "policy"] == expected
-    assert [r["name"] for r in rows if r["kind"] == "overhead"] == ["lightning_vs_bare"]
-    assert len(rows) == len(data["rows"]) == len(expected) + 1
-    by = {r["name"]: r for r in data["rows"]}
-    assert by["none"]["step_ratio"] == pytest.approx(1.0) and by["none"]["flops_ratio"] == 1.0
-    for name in expected:
-        r = by[name]
-        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["activation_mib"] > 0
+def _rows(data: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in data["rows"] if r["kind"] == kind}
+
+
+def test_every_registered_policy_is_a_row_measured_as_the_estimator_predicts(micro_run: dict[str, Any]) -> None:
+    data = micro_run["data"]
+    rows = _rows(data, "policy")
+    samples = data["samples"]["micro model=micro seq_len=32"]["step_s"]
+    assert list(rows) == [n for n in POLICIES if n != "auto"]  # the registry's order, every policy
+    assert list(data["sections"][0]["skipped"]) == ["auto"]
+    assert "needs a budget" in data["sections"][0]["skipped"]["auto"]
+    for name, r in rows.items():
+        # the estimator on fake tensors and StepMeter over the real step: the same figures
+        assert r["activation_mib"] == pytest.approx(r["est_activation_mib"], rel=0.005), name
+        assert r["peak_total_mib"] == pytest.approx(r["est_peak_total_mib"], rel=0.005), name
+        assert r["head_mib"] == pytest.approx(r["est_head_mib"], rel=0.005), name
+        assert r["flops_ratio"] == pytest.approx(r["est_flops_ratio"], rel=1e-9), name
+        assert r["est_error"] is None and r["flops_uncounted"] == ""
         assert r["peak_total_mib"] > r["activation_mib"]  # weights, gradients and AdamW state on top
-        assert len(data["samples"]["step_s"][name]) == 2  # one step per round
-    # The recompute policies pay FLOPs and save activation memory; `full` recomputes one whole forward.
-    assert by["full"]["flops_ratio"] > 1.2 and by["full"]["activation_ratio"] < 1
-    assert 1 < by["selective"]["flops_ratio"] < by["full"]["flops_ratio"]
-    o = by["lightning_vs_bare"]
-    assert o["pairs"] == 3 and o["bare_step_ms"] > 0 and o["lightning_step_ms"] > 0 and o["step_ratio"] > 0
+        assert len(samples[f"{name}|standard"]) == 2  # one step per round
+    none, full, sel = rows["none"], rows["full"], rows["selective"]
+    assert none["step_ratio"] == 1.0 and none["flops_ratio"] == 1.0 and none["activation_ratio"] == 1.0
+    assert full["plan"] == "[0-1]:full" and rows["per_block"]["plan"] == "[0]:full [1]:none"
+    # full recomputes the layers' whole forward; at micro the head is a large part of the step
+    assert 1.2 < full["flops_ratio"] < 1.4 and full["activation_ratio"] < 0.5
+    assert 1.0 < sel["flops_ratio"] < full["flops_ratio"] and sel["activation_ratio"] < 1.0
+    assert rows["offload"]["activation_mib"] == none["activation_mib"]  # no CUDA: a no-op move
+
+
+def test_loss_heads_are_rows_with_the_heads_share(micro_run: dict[str, Any]) -> None:
+    heads = _rows(micro_run["data"], "head")
+    assert list(heads) == [f"{p}/{h}" for p in ("none", "full") for h in ("standard", "chunked", "fused")]
+    assert {r["vocab"] for r in heads.values()} == {HEAD_VOCAB}
+    for policy in ("none", "full"):
+        std, chunked, fused = (heads[f"{policy}/{h}"] for h in ("standard", "chunked", "fused"))
+        assert std["step_ratio"] == 1.0 and std["flops_ratio"] == 1.0
+        assert std["head_share"] > 0.8  # at a 4K vocabulary the logits are most of the activation peak
+        assert chunked["head_mib"] < std["head_mib"] / 2 and fused["head_mib"] < chunked["head_mib"]
+        assert chunked["head_share"] < std["head_share"] and fused["head_share"] < std["head_share"]
+        assert chunked["activation_mib"] < std["activation_mib"] and chunked["peak_total_mib"] < std["peak_total_mib"]
+        assert chunked["flops_ratio"] > 1.2  # its logits are recomputed in backward
+        for r in (std, chunked, fused):
+            assert r["head_mib"] == pytest.approx(r["est_head_mib"], rel=0.005)
+            assert r["activation_mib"] == pytest.approx(r["est_activation_mib"], rel=0.005)
+        assert chunked["label"] == "chunked (chunk_tokens=32)"  # tokens / 4 of the 4 × 32 micro-batch
+    # the policy rows' `none` at the byte vocabulary is another configuration: another module, other bytes
+    assert heads["none/standard"]["activation_mib"] > 2 * _rows(micro_run["data"], "policy")["none"]["activation_mib"]
+
+
+def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
+    out, data, printed = micro_run["out"], micro_run["data"], micro_run["printed"]
+    with (out / "results.csv").open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["name"] for r in csv_rows] == [r["name"] for r in data["rows"]]
+    overhead = [r for r in data["rows"] if r["kind"] == "overhead"]
+    assert len(overhead) == 1 and overhead[0]["pairs"] == 2  # the head rows' section has no Lightning comparison
+    table = (out / "table.md").read_text().strip()
+    assert table in printed
+    head = table.splitlines()[0]
+    native, _ = cpu_bf16_native()
+    used, _ = resolve("auto", "cpu")
+    for text in (cpu_name(), f"torch {torch.__version__}", "1 thread,", dt.date.today().isoformat(), f"→ {used}"):
+        assert text in head
+    assert ("(native bf16)" in head) is native
+    assert "Not run: `auto`" in head
     assert [t["target"].split()[0] for t in data["targets"]] == ["full", "selective", "Lightning", "activation"]
-    assert all(t["met"] in (True, False) for t in data["targets"])
-    # The estimator's columns, when it is there, are numbers beside the measured ones.
-    if data["meta"]["estimator"] == "trainer.estimate.estimate":
-        assert all(by[n]["est_activation_mib"] > 0 and by[n]["est_peak_total_mib"] > 0 for n in expected)
-    # What is printed: the table, the overhead table and the targets; table.md holds the same.
-    assert "| policy | step ms | × none |" in printed and "| Lightning `Trainer.fit` |" in printed
-    assert "Targets (reported, not asserted):" in printed
-    assert (out / "table.md").read_text().strip() in printed
+    # --write-readme on the copy: the block between the markers is the printed one, the rest as it was
+    before, after = (ROOT / "README.md").read_text(), micro_run["readme"].read_text()
+    assert f"{bench.START}\n{table}\n{bench.END}" in after
+    assert after.split(bench.START)[0] == before.split(bench.START)[0]
+    assert after.split(bench.END)[1] == before.split(bench.END)[1]
 
 
-def test_the_estimator_columns_read_n_a_without_it(
-    micro_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "trainer.estimate", None)  # import fails as if the module did not exist
-    setup = bench.make_setup(bench.parse_args(["--model", "micro"]))
-    est, why = bench.estimates(setup)
-    assert est == {} and why is not None and "trainer.estimate not importable" in why
-    result = json.loads((micro_run[0] / "results.json").read_text())
-    for r in result["rows"]:
-        r.update(est_activation_mib=None, est_peak_total_mib=None, est_flops_ratio=None)
-    lines = [line for line in bench.table(result).splitlines() if line.startswith("| `")]
-    assert lines and all(line.count("n/a") == 4 for line in lines)
+def test_several_models_in_one_run(tmp_path: Path) -> None:
+    args = ["--models", "micro,llama-tiny", "model.n_layer=2", "model.n_embd=64", "--seq", "32", "--policies", "full"]
+    args += ["--rounds", "1", "--overhead-steps", "0", "--head-vocab", "0", "--out", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(args) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = [(r["model"], r["name"]) for r in data["rows"]]
+    assert rows == [("micro", "none"), ("micro", "full"), ("llama-tiny", "none"), ("llama-tiny", "full")]
+    assert [s["shape"].split()[1] for s in data["sections"]] == ["(gpt:", "(llama:"]
+    for r in data["rows"]:
+        assert r["activation_mib"] == pytest.approx(r["est_activation_mib"], rel=0.005)
+    table = (tmp_path / "table.md").read_text()
+    assert "| llama-tiny | `full` |" in table and "| micro | `full` |" in table
+
+
+def test_policy_table_agrees_with_the_benchmark(micro_run: dict[str, Any], tmp_path: Path) -> None:
+    out = policy_table.run(["model=micro", "seq_len=32"])
+    measured = _rows(micro_run["data"], "policy")
+    assert [r["name"] for r in out["rows"]] == list(measured) and list(out["skipped"]) == ["auto"]
+    for r in out["rows"]:  # the same step on the same config: the same bytes and FLOPs
+        assert r["activation_bytes"] / MIB == measured[r["name"]]["activation_mib"]
+        assert r["flops"] == measured[r["name"]]["flops"]
+        assert r["plan"] == measured[r["name"]]["plan"]
+    text = policy_table.header(out) + "\n\n" + policy_table.table(out)
+    assert cpu_name() in text and "| `full` | `[0-1]:full` |" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{policy_table.START}\nold\n{policy_table.END}\ntail\n")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert policy_table.main(["--model", "micro", "seq_len=32", "--write-readme", "--readme", str(readme)]) == 0
+    lines = readme.read_text().splitlines()
+    assert lines[:3] == ["# x", "", policy_table.START] and lines[-2:] == [policy_table.END, "tail"]
+    assert len(lines) == 3 + 2 + 2 + len(out["rows"]) + 2  # header, blank, table head, rows
+
+
+def test_planner_bench_plans_fit_their_budgets() -> None:
+    out = bench_planner.run(["model=micro", "seq_len=32"], n_budgets=6, reps=1)
+    rows = out["rows"]
+    assert len(rows) == 6 and all("result" in r for r in rows)
+    assert list(out["predicted"]) == ["none", "selective", "op_sac", "full"]  # offload: no CUDA here
+    for t, p in out["predicted"].items():  # the peak model against StepMeter's whole-step figure
+        assert abs(p.peak - out["uniform"][t]["peak"]) <= 32 * 1024, t
+    for r in rows:
+        assert r["measured"]["peak"] <= r["budget_mib"] * MIB  # the planner's promise, measured
+        assert r["measured"]["installed"] == Plan.per_block(r["result"].treatments)  # installed as planned
+    last = rows[-1]  # below every uniform plan: refused at micro-batch 4, allow_accum trains smaller micro-batches
+    assert "refused_below_mib" in last and last["result"].micro_batch < 4 and last["uniform"] is None
+    text = bench_planner.header(out) + "\n\n" + bench_planner.tables(out)
+    assert cpu_name() in text and "with `allow_accum=true`: micro-batch" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cuda_without_a_device_fails_in_one_line() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.policies", "--device", "cuda", "--model", "gpt2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --device cuda: no CUDA device"), proc.stderr
+def test_cuda_without_a_device_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--device", "cuda", "--model", "gpt2"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error: --device cuda: no CUDA device"), err
+
+
+def test_a_policy_the_model_refuses_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([*MICRO, "model.n_layer=1", "--policies", "every_k", "--head-vocab", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --policies every_k: policy every_k: policy.k=2 must be between 1 and")
 
 
 def test_readme_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
@@ -102,22 +193,17 @@ def test_readme_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
     assert readme.read_text() == f"{before}{start}\nnew table\nline 2\n{end}{after}"
     replace_block(readme, start, end, "newer", bench.HEADING)  # again: still one block, the rest untouched
     assert readme.read_text() == f"{before}{start}\nnewer\n{end}{after}"
-
-    # No markers yet: a section holding them is appended; the old text stays as it was.
-    fresh = tmp_path / "FRESH.md"
+    fresh = tmp_path / "FRESH.md"  # no markers yet: a section holding them is appended
     fresh.write_text("# title\n\nbody\n")
     replace_block(fresh, start, end, "table", bench.HEADING)
     assert fresh.read_text() == f"# title\n\nbody\n\n{bench.HEADING}\n\n{start}\ntable\n{end}\n"
 
-    # The older benchmark writes its own block through the same helper and leaves this one alone.
-    from bench import policy_table
 
-    policy_table.write_readme("policy rows", readme)
-    text = readme.read_text()
-    assert "<!-- policy-table:start -->\npolicy rows\n<!-- policy-table:end -->" in text
-    assert f"{start}\nnewer\n{end}" in text
-
-
-def test_command_line_to_rerun_drops_the_output_folder() -> None:
-    args: list[Any] = ["--model", "gpt2", "--out", "/tmp/x", "--device", "cuda", "--write-readme", "--out=/y"]
+def test_command_line_to_rerun_drops_the_output_flags() -> None:
+    args = ["--model", "gpt2", "--out", "/tmp/x", "--device", "cuda", "--write-readme", "--out=/y", "--readme", "R"]
     assert bench.command_line(args) == "python -m bench.policies --model gpt2 --device cuda"
+
+
+def test_gpu_script_parses() -> None:
+    proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import CONF, SMALL, run_cli
 from trainer.policies import POLICIES, build_policy
@@ -25,20 +26,31 @@ def test_compose_every_policy(compose_cfg, policy: str) -> None:
     assert build_policy(config.policy).cfg.name == policy
 
 
-@pytest.mark.parametrize("group", ["model", "data", "trainer"])
+MANDATORY = {("data", "local"): "data.path=[somewhere.txt]", ("model", "hf"): "model.name_or_path=some/folder"}
+MANDATORY |= {("loss", name): "seq_len=256" for name in ("chunked", "fused")}  # 1024 tokens: the chunk fits
+
+
+@pytest.mark.parametrize("group", ["model", "data", "trainer", "loss"])
 def test_compose_every_option_of(compose_cfg, group: str) -> None:
-    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        overrides = [f"{group}={option}", "seq_len=32"]
-        if group == "data" and option == "local":
-            overrides.append("data.path=[somewhere.txt]")
-        config = validate(compose_cfg(*overrides, small=False))
-        assert getattr(config, group).name if group != "data" else config.data.source
+    """Every option of the group composes, and what it composes is what its yaml says, key by key."""
+    options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    assert options
+    for option in options:
+        overrides = [f"{group}={option}", "seq_len=32"]  # a later seq_len= wins
+        if (group, option) in MANDATORY:
+            overrides.append(MANDATORY[(group, option)])
+        node = getattr(validate(compose_cfg(*overrides, small=False)), group)
+        written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+        for key, value in written.items():
+            if value == "???":
+                continue
+            assert getattr(node, key) == value, f"{group}={option}: {key} is {getattr(node, key)!r}, yaml {value!r}"
 
 
 def test_defaults_are_the_documented_ones(compose_cfg) -> None:
     config = validate(compose_cfg(small=False))
-    assert config.precision == "bf16-mixed"
-    assert config.policy["name"] == "none"
+    assert config.precision == "auto"  # settled per machine at start (trainer/precision.py)
+    assert config.policy["name"] == "none" and config.loss.name == "standard"
     assert config.model.name == "tiny" and config.data.source == "embedded"
 
 
@@ -53,6 +65,13 @@ def test_defaults_are_the_documented_ones(compose_cfg) -> None:
         (["precision=fp8"], "precision='fp8'"),
         (["trainer.max_steps=0"], "trainer.max_steps"),
         (["optim.min_lr=1.0"], "min_lr"),
+        (["model=llama-tiny", "model.n_kv_head=3"], "model.n_head=8 is not divisible by model.n_kv_head=3"),
+        (["model=llama-tiny", "model.n_head=6"], "model.n_embd=256 / model.n_head=6"),
+        (["model.family=mamba"], "model.family='mamba'"),
+        (["model=hf"], "model.name_or_path"),
+        (["loss.name=bogus"], "loss='bogus' is unknown; choose one of: standard, chunked, fused"),
+        (["loss=chunked", "loss.chunk_tokens=0"], "loss.chunk_tokens=0 must be ≥ 1"),
+        (["loss=chunked", "loss.chunk_tokens=1000"], "loss.chunk_tokens=1000 is larger than the micro-batch's 128"),
     ],
 )
 def test_validate_refuses_with_one_line(compose_cfg, overrides: list[str], fragment: str) -> None:
@@ -72,6 +91,13 @@ BAD_COMMAND_LINES = [
     (["data=local", "data.path=[/nonexistent/corpus.txt]"], "does not exist"),
     (["data=wikitext103"], "offline"),
     (["seq_len=4096"], "exceeds model.block_size"),
+    (["model=nope"], "unknown model 'nope'; choose one of:"),
+    (["loss=nope"], "unknown loss 'nope'; choose one of: chunked, fused, standard"),
+    (["loss=chunked", "loss.chunk_tokens=0"], "loss.chunk_tokens=0 must be ≥ 1"),
+    (["model=llama-tiny", "model.n_kv_head=3"], "not divisible by model.n_kv_head=3"),
+    (["model=hf", "model.name_or_path=/nonexistent/folder"], "no such folder"),
+    (["data.tokenizer=model"], "data.tokenizer=model uses a Hugging Face model's tokenizer"),
+    (["trainer.devices=0"], "Lightning refuses it: Trainer(devices=0) value is not a valid input"),
 ]
 
 

@@ -7,6 +7,7 @@ import logging
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -427,14 +428,18 @@ def test_hub_loads_text_field(tmp_path: Path) -> None:
 # ---- config / plumbing -----------------------------------------------------------------------------
 
 
-def test_structured_config_accepts_overrides() -> None:
-    from omegaconf import OmegaConf
+def test_data_overrides_compose_and_a_mistyped_value_is_one_line(compose_cfg: Any) -> None:
+    from hydra.errors import ConfigCompositionException
 
-    base = OmegaConf.structured(DataConfig)
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["source=local", "path=[a.txt,b/]", "name=wikitext"]))
-    assert merged.path == ["a.txt", "b/"] and merged.name == "wikitext"
-    with pytest.raises(Exception):  # noqa: B017 - omegaconf's ValidationError type varies by version
-        OmegaConf.merge(base, OmegaConf.from_dotlist(["val_fraction=abc"]))
+    from trainer.schema import describe_user_error, validate
+
+    config = validate(compose_cfg("data=local", "data.path=[a.txt,b/]", "data.name=wikitext"))
+    assert config.data.path == ["a.txt", "b/"] and config.data.name == "wikitext"
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("data.val_fraction=abc")
+    line = describe_user_error(e.value)
+    assert line is not None and "\n" not in line, line
+    assert "data.val_fraction=abc" in line and "'abc'" in line and "Float" in line, line
 
 
 def test_dataset_pickles_without_token_array(tmp_path: Path) -> None:

@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from callbacks.planner import AutoPlanCallback
-from models.gpt import GPT, GPTConfig
 from trainer import planner
-from trainer.memory import MIB, LiveTensorTracker
-from trainer.module import param_groups
+from trainer import precision as precision_
+from trainer import step as step_
+from trainer.memory import MIB
+from trainer.module import DecoderModule, param_groups
 from trainer.planner import BOOKKEEPING, Cost, PeakModel, Profile, plan_for_config, plan_result_for_config
 from trainer.policies import POLICIES, PolicyError, apply_policy, build_policy
 from trainer.run import train
@@ -42,9 +43,19 @@ L, C, H, T, B, V = 4, 32, 2, 32, 2, 64
 
 
 @functools.cache
-def base_model() -> GPT:
+def base_module() -> DecoderModule:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_embd=C, n_head=H, dropout=0.1, attention="eager"))
+    shape = {"family": "gpt", "block_size": T, "n_layer": L, "n_embd": C, "n_head": H, "dropout": 0.1}
+    return DecoderModule({**shape, "attention": "eager"}, "none", vocab_size=V)
+
+
+def base_model() -> Any:
+    return base_module().model
+
+
+def loss_fn(model: Any) -> Any:
+    """The training forward of `model` (a GPT): its loss through the standard head, as DecoderModule.loss_of."""
+    return lambda batch: model(*batch)[1]
 
 
 @functools.cache
@@ -64,6 +75,7 @@ def profiled(accum: int = 1) -> Profile:
     return planner.profile(
         model,
         (idx[0], tgt[0]),
+        loss_fn=loss_fn(model),
         precision="bf16-mixed",
         make_optimizer=planner.default_optimizer(),
         param_groups=param_groups(model, 0.1),
@@ -75,37 +87,20 @@ def profiled(accum: int = 1) -> Profile:
 
 
 def bare_step_peak(treatments: list[str], accum: int) -> int:
-    """A training step as Lightning runs it (forward, zero_grad, backward per micro-batch; clip; AdamW), tracked
-    from the third step with the training state adopted: the figure MeasureCallback reports as peak_total."""
-    model = copy.deepcopy(base_model())
-    apply_policy(model, {"name": "per_block", "blocks": treatments})
-    model.train()
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    """A training step as Lightning runs it (trainer.step.bare_step), measured from the third step with the training
+    state adopted (trainer.step.StepMeter): the figure MeasureCallback reports as peak_total."""
+    module = copy.deepcopy(base_module())
+    apply_policy(module.model, {"name": "per_block", "blocks": treatments})
+    module.train()
+    opt, sched = step_.optimizers_of(module)
+    plugin = precision_.plugin("bf16-mixed", "cpu")
     idx, tgt = batches()
-
-    def step() -> None:
-        for k in range(accum):
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # as Lightning's plugin
-                loss = model(idx[0], tgt[0])[1]
-            if k == 0:
-                opt.zero_grad(set_to_none=True)
-            (loss / accum).backward()
-        torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    step()
-    step()
-    with LiveTensorTracker() as tracker:
-        # A temporary list, as MeasureCallback's: holding it would keep last step's gradients past zero_grad.
-        tracker.adopt(training_state(model, opt))
-        step()
-    return tracker.peak_bytes
-
-
-def training_state(model: GPT, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    state = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    return state + [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    micro = [(idx[0], tgt[0])] * accum
+    for _ in range(2):
+        step_.bare_step(module, micro, opt, sched, plugin, grad_clip=1.0)
+    meter = step_.StepMeter("cpu")
+    step_.bare_step(module, micro, opt, sched, plugin, grad_clip=1.0, meter=meter)
+    return meter.end(module).total_bytes
 
 
 PLANS = [
@@ -123,7 +118,7 @@ PLANS = [
 def test_predicted_peak_is_the_measured_peak_to_the_byte(accum: int) -> None:
     prof = profiled(accum)
     model = PeakModel(prof)
-    # BOOKKEEPING is headroom for Lightning's scalars; a bare loop makes only `loss / accum` (4 bytes). With
+    # BOOKKEEPING is headroom for Lightning's scalars; a bare step makes only `loss / accum` and its copy. With
     # accumulation the profile counts gradients it creates although later micro-batches sum into existing ones: the
     # model errs high by at most one block's gradients plus the embedding's and head's.
     slack = BOOKKEEPING + (max(prof.block_grads) + prof.grads - sum(prof.block_grads) if accum > 1 else 0)
@@ -282,7 +277,12 @@ def uniform_peaks_mib(overrides: tuple[str, ...]) -> dict[str, float]:
     return {t: u.peak / MIB for t, u in result.uniform.items()}
 
 
-def test_runs_stay_within_budget_at_several_budgets(compose_cfg: Any, tmp_path: Path) -> None:
+def test_runs_stay_within_budget_at_several_budgets(
+    compose_cfg: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Bytes are deterministic, times are not: with every timed run the same duration, ties go to the earlier
+    # treatment (none first), so the roomy budget's plan does not depend on the machine's load.
+    monkeypatch.setattr(planner._Timer, "__call__", lambda self, fn: (fn(), 1.0))
     peaks = uniform_peaks_mib(())
     assert peaks["none"] > peaks["selective"] > peaks["op_sac"] > peaks["full"]
     budgets = {
@@ -331,8 +331,9 @@ def test_estimate_and_train_agree_on_the_plan(
     # same costs (ties then go to the earlier treatment), and compare the plans the one function produces.
     monkeypatch.setattr(planner._Timer, "__call__", lambda self, fn: (fn(), 1.0))
     config = validate(compose_cfg("policy=auto", *RUN, f"policy.budget_mib={budget}"))
-    plan, text = plan_for_config(config)
+    plan, loss, text = plan_for_config(config)
     estimated = plan_result_for_config(config)
+    assert loss == "standard"
     summary, auto = run_auto(compose_cfg, tmp_path, "agree", f"policy.budget_mib={budget}")
     assert plan.describe() == auto["plan_describe"] == summary["plan"]
     assert estimated.solution.peak / MIB == pytest.approx(auto["predicted_peak_mib"], abs=1e-9)
@@ -414,7 +415,7 @@ def test_auto_is_registered_and_checkpoints_everything_until_planned() -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def train_step(model: GPT, accum: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def train_step(model: Any, accum: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     idx, tgt = batches()
     model.train()
     model.zero_grad(set_to_none=True)
@@ -444,6 +445,7 @@ def test_auto_at_several_budgets_gives_the_gradients_of_none_bitwise(accum: int)
             gpt,
             (idx[0], tgt[0]),
             auto_cfg(budget_mib=budget / MIB, profile_repeats=1),
+            loss_fns={"standard": loss_fn(gpt)},
             precision="bf16-mixed",
             accum=accum,
             make_optimizer=planner.default_optimizer(),

@@ -25,7 +25,7 @@ RESUME = [*SMALL, "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=1", 
 def step_losses(run_dir: Path) -> dict[int, float]:
     """train/loss by step over every event file in write order; a resumed run's values replace the killed one's."""
     losses: dict[int, float] = {}
-    for path in sorted((run_dir / "tb").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
+    for path in sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns):
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 if value.tag == "train/loss":
@@ -176,19 +176,35 @@ def test_unwritable_output_folder_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_cpu_processes(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize("strategy, policy", [("ddp", "full"), ("fsdp2", "sqrt")])
+def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
+    """Two ranks train identical parameters; the policy composes with the strategy (under FSDP2, sqrt's groups of
+    two layers are one checkpoint each, inside the shards' all-gathers) and trains exactly as `none` does."""
     runs = {}
-    for policy in ("none", "full"):
-        run_dir = tmp_path / f"{strategy}-{policy}"
-        r = run_cli(*SMALL, f"trainer={strategy}", f"policy={policy}", "trainer.max_steps=4",
+    for p in ("none", policy):
+        run_dir = tmp_path / f"{strategy}-{p}"
+        r = run_cli(*SMALL, f"trainer={strategy}", f"policy={p}", "trainer.max_steps=4", "model.n_layer=4",
                     f"hydra.run.dir={run_dir}", timeout=300)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[policy] = json.loads((run_dir / "summary.json").read_text())
+        runs[p] = json.loads((run_dir / "summary.json").read_text())
+    assert runs[policy]["plan"] == ("[0-3]:full" if policy == "full" else "[0-1]:full-group [2-3]:full-group")
     for summary in runs.values():
         ranks = summary["per_rank"]
         assert summary["world_size"] == 2 and [r["rank"] for r in ranks] == [0, 1]
         assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]  # identical parameters on both ranks
         assert all(r["activation_peak_mib"] > 0 for r in ranks)  # per-rank memory
-    assert runs["none"]["final_train_loss"] == runs["full"]["final_train_loss"]  # policies compose with it
+    assert runs["none"]["final_train_loss"] == runs[policy]["final_train_loss"]  # policies compose with it
+    assert runs[policy]["per_rank"][0]["activation_peak_mib"] < runs["none"]["per_rank"][0]["activation_peak_mib"]
     assert len(list(tmp_path.glob("*/summary.json"))) == 2  # written once per run (rank 0)
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_the_tracked_step_reports_null_not_zero(tmp_path: Path) -> None:
+    """Per-rank activation peaks that were never measured are null in summary.json, never 0.0."""
+    run_dir = tmp_path / "short"
+    r = run_cli(*SMALL, "trainer=ddp", "trainer.max_steps=2", "measure.activation_every_n_steps=0",
+                f"hydra.run.dir={run_dir}", timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["activation_peak_mib"] is None
+    assert [r["activation_peak_mib"] for r in summary["per_rank"]] == [None, None]

@@ -47,12 +47,14 @@ def make_job(
         "batch_size": batch_size,
         "precision": precision,
         "seq_len": 32,
+        "loss": {"name": "standard"},
     }
     (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"job": {"num": num}}}))
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"micro={batch_size}x{accum}", f"policy={policy}"]))
     if summary is not None:
-        full = {"policy": policy, "accum": accum, "batch_size": batch_size, "precision": precision, "seq_len": 32}
+        full = {"policy": policy, "accum": accum, "batch_size": batch_size, "precision": precision, "seq_len": 32,
+                "loss": {"name": "standard", "chunk_tokens": 1024}}  # fmt: skip
         full.update({"model": {"name": "micro"}, "device": "cpu", **summary})
         (job / "summary.json").write_text(json.dumps(full))
     series = dict(scalars or {})
@@ -61,7 +63,8 @@ def make_job(
     if series or val:
         from torch.utils.tensorboard import SummaryWriter
 
-        w = SummaryWriter(str(job / "tb"))
+        # events in the job folder, as runs write them; a job without a summary (killed) in tb/, as older runs did
+        w = SummaryWriter(str(job if summary is not None else job / "tb"))
         for tag, values in series.items():
             for step, v in enumerate(values, start=1):
                 w.add_scalar(tag, v, step)
@@ -181,7 +184,7 @@ def test_completed_rows_have_every_number(sweep: Path) -> None:
         if line.startswith("| ") and "| completed |" in line:
             cells = [c.strip() for c in line.strip("|").split("|")]
             # peak alloc is CUDA's: "—" on CPU; every other cell holds a value
-            assert [i for i, c in enumerate(cells) if c == "—"] == [8], line
+            assert [i for i, c in enumerate(cells) if c == "—"] == [9], line
 
 
 def test_csv_parses_with_raw_numbers(sweep: Path) -> None:
@@ -227,7 +230,7 @@ def test_budget_names_the_fastest_job_that_fits(sweep: Path, capsys: pytest.Capt
     assert main([str(sweep), "--budget", "4.5"]) == 0
     out = capsys.readouterr().out
     assert "Best within 4.5 MiB of activation peak (`activation_peak_mib`): none at micro-batch 4 × accum 2" in out
-    assert "| 1 | none | 8 | 1 | bf16-mixed | completed |" in out  # the table is printed too
+    assert "| 1 | none | standard | 8 | 1 | bf16-mixed | completed |" in out  # the table is printed too
     report = build_report(sweep, budget=0.1)
     assert report.budget is not None and report.budget.startswith("No completed job fits 0.1 MiB")
     assert "full at micro-batch 2 × accum 4: 0.50 MiB" in report.budget

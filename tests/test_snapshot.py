@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from callbacks.measure import MeasureCallback
 from callbacks.snapshot import MemorySnapshot
-from trainer.module import GPTModule
+from trainer.module import DecoderModule
 
-MICRO = dict(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attention="eager")
+MICRO = dict(family="gpt", block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attention="eager")
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -33,9 +33,9 @@ class _Batches(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def fit(callbacks: list[L.Callback], steps: int = 4, accelerator: str = "cpu", accum: int = 1) -> GPTModule:
+def fit(callbacks: list[L.Callback], steps: int = 4, accelerator: str = "cpu", accum: int = 1) -> DecoderModule:
     L.seed_everything(0, verbose=False)
-    module = GPTModule(MICRO, "full", max_steps=steps)
+    module = DecoderModule(MICRO, "full", max_steps=steps, vocab_size=64)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,

@@ -176,10 +176,16 @@ class Session:
     fake: Any
     rules: Any
     notes: list[str]
+    world: int = 1  # data-parallel ranks (trainer=fsdp2): the figures are one rank's
+
+    def close(self) -> None:
+        """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own)."""
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        with self.fake, self.rules:
+        with self.fake, self.rules, _real_semantics(self.config):
             yield
 
     def step(self, meter: step_.StepMeter | None = None, on_forward: Callable[[], None] | None = None) -> None:
@@ -194,6 +200,15 @@ class Session:
             layers=list(self.module.adapter.layers),
             on_forward=on_forward,
         )
+
+
+def _real_semantics(config: Config) -> Any:
+    """A library's own rules for fake tensors that differ from its real run (models/hf.py: as_on_real_tensors)."""
+    if config.model.family == "hf":
+        from models.hf import as_on_real_tensors
+
+        return as_on_real_tensors()
+    return contextlib.nullcontext()
 
 
 def estimate_device(config: Config, device: str | None) -> str:
@@ -257,6 +272,16 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     vocab = config.model.vocab_size or _tokenizer_vocab(config)
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
+    world = sharded_world(config)
+    mesh = _fake_mesh(world, fake_device) if world > 1 else None
+    if mesh is not None:
+        notes.append(
+            f"trainer=fsdp2: one rank of {world} (a fake process group): parameters, gradients and AdamW state "
+            f"sharded {world} ways (FSDP2 per layer, then the root), each layer's all-gather buffers, the same "
+            "activations, a micro-batch per rank"
+        )
+    elif config.trainer.strategy == "ddp":
+        notes.append("trainer=ddp: one rank, without DDP's gradient buckets (a further copy of the gradients)")
     fake = FakeTensorMode()
     plugin = precision_.plugin(chosen, fake_device)
     if autocast_cache and chosen.endswith("-mixed"):
@@ -265,7 +290,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
                      "runs Lightning's, with it off")  # fmt: skip
     elif chosen.endswith("-mixed"):
         notes.append("autocast weight cache off, as train.py runs it (Lightning's MixedPrecision)")
-    with fake, rules, torch.device(fake_device):
+    with fake, rules, _real_semantics(config), torch.device(fake_device):
         torch.manual_seed(config.seed)
         module = DecoderModule(
             config.model,
@@ -279,12 +304,15 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         dtype = precision_.param_dtype(chosen)
         if dtype != torch.float32:
             _to_dtype(module, dtype)  # what the plugin's convert_module (module.to(dtype)) does
+        if mesh is not None:  # what Lightning's ModelParallelStrategy does with the module: its configure_model
+            module._device_mesh = mesh
+            module.configure_model()
         module.train()
         optimizer, scheduler = step_.optimizers_of(module)
         v = module.adapter.head.weight.shape[0]
         shape = (config.batch_size, config.seq_len)
         batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(config.accum)]
-    session = Session(config, device, chosen, module, optimizer, scheduler, plugin, batches, fake, rules, notes)
+    session = Session(config, device, chosen, module, optimizer, scheduler, plugin, batches, fake, rules, notes, world)
     with session.active():
         # Last step's gradients and AdamW's state, as a step leaves them (their bytes, not their values, matter).
         for p in module.parameters():
@@ -296,6 +324,27 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         "clip, AdamW.step() (the first step peaks lower)"
     )
     return session
+
+
+def sharded_world(config: Config) -> int:
+    """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1."""
+    t = config.trainer
+    if t.strategy != "fsdp2":
+        return 1
+    if not isinstance(t.devices, int) or t.devices < 1:
+        raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
+    return t.devices * t.num_nodes
+
+
+def _fake_mesh(world: int, device_type: str) -> Any:
+    """A device mesh over `world` ranks of torch's fake process group (collectives that move nothing), as rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if torch.distributed.is_initialized():
+        raise ConfigError("trainer=fsdp2 estimate: a process group is already initialised in this process")
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("data_parallel",))
 
 
 def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -343,6 +392,10 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         module.loss_config = configured_loss
     components = _components(session, figures)
     accum = session.config.accum
+    notes = list(session.notes)
+    if (loss or configured_loss).name == "fused":
+        notes.append("loss=fused is one op to the tracker: its per-chunk workspace inside (≈ chunk_tokens × vocab × "
+                     "4 B) is not counted (trainer/loss.py)")  # fmt: skip
     total_flops = counter.total
     fwd = forward.get("flops", 0) * accum
     layers = [figures.after_forward.get(f"layer {i}", 0) for i in range(module.adapter.n_layer)]
@@ -363,7 +416,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         bwd_flops=total_flops - fwd,
         peak_at=figures.peak_phase,
         micro_batches=accum,
-        notes=list(session.notes),
+        notes=notes,
     )
 
 
@@ -482,10 +535,12 @@ def _quiet_policy_notices() -> Iterator[None]:
 
 
 def planner_plan(config: Config, device: str) -> tuple[Plan, str, str]:
-    """policy=auto: the plan, loss head and explanation trainer/planner.py chooses (a PolicyError when none fits)."""
+    """policy=auto: the plan, loss head and explanation trainer/planner.py chooses (a PolicyError when none fits),
+    profiled on fake tensors like the rest of the estimate: bytes as a run measures them, step times ranked by
+    FLOPs (a run plans on measured times, so near-equal plans may differ)."""
     from trainer.planner import plan_for_config
 
-    return plan_for_config(config, device)
+    return plan_for_config(config, device, fake=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -714,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    session: Session | None = None
     try:
         config = compose_config(args.overrides)
         policy = build_policy(config.policy)
@@ -743,6 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {line}", file=sys.stderr)
         return 2
+    finally:
+        if session is not None:
+            session.close()
     if preface:
         print(preface.rstrip() + "\n")
     print(render(session, est, table, losses, budget))

@@ -44,6 +44,29 @@ def _register_cpu_sdpa_formulas() -> None:
 _register_cpu_sdpa_formulas()
 
 
+def _register_fused_linear_cross_entropy_formula() -> None:
+    """torch's fused linear cross-entropy (loss=fused) is one custom op that computes the loss and both gradients in
+    its forward: 2·N·C·V for the logits, 2·N·C·V for the input's gradient, 2·N·C·V for the weight's: the 6·N·C·V a
+    standard head spends over its forward and backward. Without a formula the counter sees 0 FLOPs."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401  (defines the op)
+
+        op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
+    except (ImportError, AttributeError, RuntimeError):
+        return
+    if op in _fc.flop_registry:
+        return
+
+    def formula(input_shape: Any, weight_shape: Any, *args: Any, **kwargs: Any) -> int:
+        n, c = input_shape[0], input_shape[-1]
+        return 6 * n * c * weight_shape[0]
+
+    _fc.register_flop_formula(op)(formula)
+
+
+_register_fused_linear_cross_entropy_formula()
+
+
 def flop_counter() -> _fc.FlopCounterMode:
     """A quiet FlopCounterMode (no table printed on exit) that knows the CPU SDPA kernels."""
     return _fc.FlopCounterMode(display=False)

@@ -10,7 +10,9 @@ at 8 × 4096 tokens the fp32 logits alone are 16.8 GB), and no checkpointing pol
             tensor is ever alive, one chunk's is (litgpt's chunked_cross_entropy, torchtune's chunked output loss).
   fused     torch's own `torch.nn.functional.linear_cross_entropy` (torch ≥ 2.13) with
             `LinearCrossEntropyOptions(batch_chunk_size=chunk_tokens)`: the projection and the loss in one op,
-            chunked over tokens, gradients made in its forward.
+            chunked over tokens, gradients made in its forward. It is one custom op to the dispatcher, so the
+            live-tensor tracker (and the estimator) see its outputs and kept gradients but not the per-chunk
+            workspace inside it (about chunk_tokens × V × 4 bytes); on CUDA the allocator's peak includes it.
 
 Every option averages over the tokens whose target is not `ignore_index` (-100, as torch's cross-entropy), so the
 three agree: `chunked` sums the same per-token losses in another order (≤ 1e-6 relative in fp32; tested).

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 MIB = 2**20
@@ -144,9 +144,7 @@ class LiveTensorTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         window = self._window
         input_storages: set[int] | None = None
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in local_tensors(tree_flatten(out)[0]):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -211,9 +209,7 @@ class LiveTensorTracker(TorchDispatchMode):
             raise RuntimeError("adopt() needs an active tracker")
         window = self._window
         adopted = 0
-        for t in tensors:
-            if t is None:
-                continue
+        for t in local_tensors(tensors):
             storage = t.untyped_storage()
             if self.device_type is not None and t.device.type != self.device_type:
                 continue
@@ -249,9 +245,7 @@ class LiveTensorTracker(TorchDispatchMode):
         window = self._window
         with window.lock:
             excluded = set(window.adopted)
-            for t in tensors:
-                if t is None:
-                    continue
+            for t in local_tensors(tensors):
                 entry = window.live.get(t.untyped_storage()._cdata)
                 if entry is not None:
                     excluded.add(entry[0])
@@ -269,9 +263,7 @@ class LiveTensorTracker(TorchDispatchMode):
         window = self._window
         out = set()
         with window.lock:
-            for t in tensors:
-                if t is None:
-                    continue
+            for t in local_tensors(tensors):
                 entry = window.live.get(t.untyped_storage()._cdata)
                 if entry is not None:
                     out.add(entry[0])
@@ -330,9 +322,25 @@ class LiveTensorTracker(TorchDispatchMode):
             plot_timeline(self.timeline, self.peak_bytes, path_png)
 
 
+def local_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors that own storage among `tensors` (non-tensors and None dropped): a tensor itself, or a wrapper
+    subclass's inner tensors, e.g. a DTensor's local shard (a DTensor's own untyped_storage() reports the global
+    size, which would count a rank's FSDP2 shard as the whole parameter)."""
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += local_tensors(getattr(t, n) for n in names)
+        else:
+            out.append(t)
+    return out
+
+
 def _storages_of(tree: Any) -> set[int]:
     found = set()
-    for x in tree_flatten(tree)[0]:
+    for x in local_tensors(tree_flatten(tree)[0]):
         if isinstance(x, torch.Tensor):
             try:
                 found.add(x.untyped_storage()._cdata)

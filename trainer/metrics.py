@@ -18,7 +18,7 @@ VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 CUDA_TAGS = (PEAK_ALLOCATED, PEAK_RESERVED, ALLOC_RETRIES)  # logged only where there is a CUDA device
 
-# summary.json keys of the run's figures (and, as hparams/<key>, the HParams tab's metric columns)
+# summary.json keys of the run's figures (and, as hparam_tag(key), the HParams tab's metric columns)
 STEPS = "steps"
 MEDIAN_STEP_MS = "median_step_ms"
 TOKENS_PER_S_KEY = "tokens_per_s"
@@ -53,9 +53,15 @@ FROM_TAG = {
     STEPS: (TRAIN_LOSS, "count"),
 }
 
-# What a sweep varies: the HParams tab's first columns, in this order (the rest follow).
+# What a sweep varies, in this order: the first keys of a run's HParams entry (TensorBoard's table shows them by
+# name, those callbacks/tb_layout.SHOWN_HPARAMS marks first).
 HPARAM_ORDER = ("policy", "loss", "accum", "batch_size", "precision", "model")
+
+# The HParams tab's metric columns are scalars, so TensorBoard's Time Series shows them too, as one-point cards. It
+# groups cards by a tag's first component, orders the groups by name and opens the first two: this prefix sorts
+# after every per-step group above (memory, throughput, time, train, val), so those lead.
+HPARAM_PREFIX = "whole_run"
 
 
 def hparam_tag(key: str) -> str:
-    return f"hparams/{key}"
+    return f"{HPARAM_PREFIX}/{key}"

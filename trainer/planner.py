@@ -401,6 +401,29 @@ class _Timer:
         return out, (time.perf_counter() - t0) * 1e3
 
 
+# Fake tensors (the estimator's planner) have no clock: a run's "milliseconds" are its FLOPs at this rate, which ranks
+# plans by the compute they spend (recompute included), not by what a device would take.
+FAKE_FLOPS_PER_MS = 1e9  # 1 TFLOP/s: a "millisecond" is a GFLOP
+
+
+@dataclass
+class _FlopClock:
+    """The planner's clock on fake tensors: FLOPs (torch's formulas) at FAKE_FLOPS_PER_MS."""
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        from trainer.flops import FlopTally
+
+        with FlopTally() as tally:
+            out = fn()
+        return out, tally.total / FAKE_FLOPS_PER_MS
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _run_block(
     layer: nn.Module,
     x_src: torch.Tensor,
@@ -477,7 +500,8 @@ def profile(
     device = idx.device
     device_type = device.type
     forward_context = precision_.plugin(precision, device_type).forward_context
-    timer = _Timer(device)
+    fake = _is_fake(idx)
+    timer: Any = _FlopClock() if fake else _Timer(device)
     adapter = adapter_for(model)
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
@@ -503,7 +527,7 @@ def profile(
             adapter.override_forward(i, None)
         model.train(was_training)
     untracked = 0
-    if device_type == "cuda":
+    if device_type == "cuda" and not fake:
         state = [*model.parameters(), *model.buffers(), *resident]
         untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
     profiles = {
@@ -532,6 +556,8 @@ def profile(
             rest_ms=rest["ms"],
             opt_ms=opt["ms"],
             loss=name,
+            notes=["fake tensors: each 'ms' is a GFLOP (FLOPs at 1 TFLOP/s), a ranking by compute, not a time"]
+            if fake else [],  # fmt: skip
         )
         for name, rest in rests.items()
     }
@@ -830,7 +856,7 @@ def budget_bytes(cfg: Any, device: torch.device | str) -> tuple[int, str]:
     if key == "budget_mib":
         return int(value * MIB), f"policy.budget_mib={value:g}"
     if key == "budget_gb":
-        return int(value * 1e9), f"policy.budget_gb={value:g} ({value * 1e9 / MIB:,.0f} MiB)"
+        return int(value * 1e9), f"policy.budget_gb={value:g}"
     device = torch.device(device)
     if device.type != "cuda":
         raise PolicyError(
@@ -1227,16 +1253,36 @@ def head_candidates(module: Any, cfg: Any) -> dict[str, Callable[[tuple[torch.Te
     return out
 
 
-def plan_result_for_config(config: Any, device: torch.device | str | None = None) -> PlanResult:
+def plan_result_for_config(config: Any, device: torch.device | str | None = None, fake: bool = False) -> PlanResult:
     """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
-    configured shape (precision `auto` settled as a run settles it)."""
-    from trainer import precision as precision_
+    configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (trainer.estimate's
+    session), so a model of any size is planned without its memory: bytes are as measured, times are FLOPs."""
     from trainer.module import DecoderModule, param_groups
 
-    device = torch.device(device) if device is not None else config_device(config)
     policy = build_policy(config.policy)
     if policy.cfg.name != "auto":
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
+    if fake:
+        from trainer.estimate import open_session
+
+        session = open_session(config, None if device is None else torch.device(device).type)
+        with contextlib.closing(session), session.active():
+            module = session.module
+            for p in module.parameters():  # the profile measures its own state from none
+                p.grad = None
+            policy.check(module.adapter.n_layer, module.adapter.attention)
+            return plan_model(
+                module.model,
+                session.batches[0],
+                policy.cfg,
+                loss_fns=head_candidates(module, policy.cfg),
+                precision=session.precision,
+                accum=config.accum,
+                make_optimizer=default_optimizer(config.optim.weight_decay),
+                param_groups=param_groups(module.model, config.optim.weight_decay),
+                grad_clip=config.trainer.grad_clip,
+            )
+    device = torch.device(device) if device is not None else config_device(config)
     chosen, _ = precision_.resolve(config.precision, device.type)
     vocab = config.model.vocab_size or (256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
     cpu = torch.get_rng_state()
@@ -1265,7 +1311,9 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
     )
 
 
-def plan_for_config(config: Any, device: torch.device | str | None = None) -> tuple[Plan, str, str]:
+def plan_for_config(
+    config: Any, device: torch.device | str | None = None, fake: bool = False
+) -> tuple[Plan, str, str]:
     """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan, its loss head and its
     explanation.
 
@@ -1274,7 +1322,7 @@ def plan_for_config(config: Any, device: torch.device | str | None = None) -> tu
     arrive at the same plan up to timing noise between near-equal plans. Raises the one-line PolicyError when
     nothing fits.
     """
-    result = plan_result_for_config(config, device)
+    result = plan_result_for_config(config, device, fake)
     return result.plan, result.loss, result.text()
 
 

@@ -2,7 +2,8 @@
 
 The run folder (Hydra's output dir) ends up holding:
   .hydra/config.yaml   the resolved config (written by Hydra)
-  tb/                  TensorBoard events: scalars per optimizer step, HParams with the run's final figures
+  events.out.tfevents.*  TensorBoard events, in the run folder itself (TensorBoard names the run after it): scalars
+                       per optimizer step, HParams with the run's final figures
   summary.json         the run's figures and status (completed | oom | error), written atomically
   checkpoints/         last.ckpt and the newest periodic ones
 
@@ -27,14 +28,14 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import DeviceStatsMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
 from callbacks.planner import AutoPlanCallback
+from callbacks.progress import StepProgressBar
 from callbacks.snapshot import MemorySnapshot
-from callbacks.tb_layout import write_tb_layout
+from callbacks.tb_layout import JobTensorBoardLogger, micro, write_tb_layout
 from models.hf import HFModelError, max_positions
 from trainer import metrics, precision
 from trainer.data import DataError, TextDataModule
@@ -101,7 +102,31 @@ def preflight(cfg: Config, run_dir: Path) -> Path | None:
         log.warning(warning)
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
+    probe_trainer(cfg)
     return checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
+
+
+def probe_trainer(cfg: Config) -> None:
+    """Let Lightning refuse its own arguments (trainer.devices=0, an accelerator this machine lacks, ...) before any
+    data is read, as one line: a throwaway Trainer with the run's device arguments and nothing else."""
+    t = cfg.trainer
+    try:
+        L.Trainer(
+            accelerator=t.accelerator,
+            devices=t.devices,
+            strategy=lightning_strategy(t),
+            num_nodes=t.num_nodes,
+            precision=cfg.precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+    except Exception as e:
+        if type(e).__name__ != "MisconfigurationException":
+            raise
+        reason = one_line(e).replace("`", "").rstrip(".")
+        raise ConfigError(f"trainer: Lightning refuses it: {reason}; see conf/trainer/ for the options") from None
 
 
 def hf_config_for(cfg: Config) -> Any:
@@ -228,11 +253,6 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
     except USER_ERRORS:
         discard_run_dir(run_dir)
         raise
-    except Exception as e:  # Lightning refusing a Trainer argument (trainer.devices=0, ...): one line too
-        if type(e).__name__ != "MisconfigurationException":
-            raise
-        discard_run_dir(run_dir)
-        raise ConfigError(f"trainer: {one_line(e)}; see conf/trainer/ for the options") from None
     return run.fit(resume_from)
 
 
@@ -287,8 +307,11 @@ class Run:
             )
         if config.measure.device_stats:
             callbacks.append(DeviceStatsMonitor())
-        self.logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
-        write_tb_layout(self.logger.experiment)  # Custom Scalars: memory and time charts grouped
+        if t.enable_progress_bar:
+            callbacks.append(StepProgressBar())  # counts optimizer steps out of max_steps, not micro-batches
+        # Events in the run folder itself: `tensorboard --logdir <sweep>` names each run by its job.
+        self.logger = JobTensorBoardLogger(run_dir)
+        write_tb_layout(self.logger.experiment, run_device_type(config))  # Custom Scalars for this device
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=config.accum,
@@ -426,8 +449,9 @@ class Run:
 
 def hparams(config: Config, status: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a sweep varies, flat, for TensorBoard's HParams tab: the columns a sweep compares first (policy, loss,
-    accum, micro-batch, precision, model; metrics.HPARAM_ORDER), then status (failed jobs stay in the table), then
-    the shape. `model`: the built model's `describe()` (an HF model's shape comes from its config)."""
+    accum, micro-batch, precision, model; metrics.HPARAM_ORDER), then `micro` (batch_size x accum in one column:
+    TensorBoard ticks five hparams, callbacks/tb_layout.py), status (failed jobs stay in the table), then the shape.
+    `model`: the built model's `describe()` (an HF model's shape comes from its config)."""
     m = config.model
     shape = model or {"n_layer": m.n_layer, "n_embd": m.n_embd}
     values = {
@@ -437,6 +461,7 @@ def hparams(config: Config, status: str, model: dict[str, Any] | None = None) ->
         "batch_size": config.batch_size,
         "precision": config.precision,
         "model": m.name,
+        "micro": micro(config.batch_size, config.accum),
         "status": status,
         "seq_len": config.seq_len,
         "n_layer": shape.get("n_layer"),
@@ -448,10 +473,19 @@ def hparams(config: Config, status: str, model: dict[str, Any] | None = None) ->
     return {k: values[k] for k in metrics.HPARAM_ORDER} | values
 
 
+# The HParams tab ticks its first five metric columns: the figures a sweep compares (memory, time, quality) first.
+HPARAM_METRICS_FIRST = (
+    metrics.ACTIVATION_PEAK_KEY,
+    metrics.PEAK_TOTAL_KEY,
+    metrics.MEDIAN_STEP_MS,
+    metrics.TOKENS_PER_S_KEY,
+    metrics.FINAL_VAL_LOSS,
+)
+
+
 def hparam_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """Every key on every job, NaN where a figure was not measured: TensorBoard takes the HParams columns from the
-    first job it reads, and Lightning writes no HParams entry at all for a job with no metrics (an early OOM)."""
-    return {
-        metrics.hparam_tag(k): float(summary[k]) if summary.get(k) is not None else math.nan
-        for k in metrics.SUMMARY_FIGURES
-    }
+    first job it reads, and a job with no metrics would get no HParams entry at all (an early OOM). Column order:
+    HPARAM_METRICS_FIRST, then the rest of metrics.SUMMARY_FIGURES."""
+    keys = (*HPARAM_METRICS_FIRST, *(k for k in metrics.SUMMARY_FIGURES if k not in HPARAM_METRICS_FIRST))
+    return {metrics.hparam_tag(k): float(summary[k]) if summary.get(k) is not None else math.nan for k in keys}

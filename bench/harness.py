@@ -1,0 +1,315 @@
+"""What every benchmark measures with: the composed config's DecoderModule stepped by `trainer.step.bare_step`.
+
+    config, env = bench_config(["model=tiny", "model.vocab_size=32768"], "cpu")
+    h = Harness(config, "cpu")          # the module (seeded as a run seeds it), its AdamW + schedule, the plugin
+    h.warm()                            # one step: AdamW state and last step's gradients exist, as in steady state
+    h.use(policy, loss)                 # switch the policy (apply_policy) and the loss head between steps
+    h.measure() -> Figures              # StepMeter (activation / whole-step / head peak) and count_flops
+    h.timed() -> seconds                # one step, wall time
+
+Nothing here is a second definition of the step: the module is `trainer.module.DecoderModule` built from the config
+train.py composes, its optimizer and scheduler come from `trainer.step.optimizers_of`, the forward context from
+`trainer.precision.plugin` (what Lightning's Trainer builds for the same precision string), the step is
+`trainer.step.bare_step` and the memory figures are `trainer.step.StepMeter`'s, the ones a run logs. Batches are
+random tokens (no data set is read), fixed per harness, kept on the host and moved to the device every step as a
+loader's batch is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from bench._readme import environment
+from trainer import estimate
+from trainer.flops import count_flops
+from trainer.loss import LossConfig
+from trainer.module import DecoderModule
+from trainer.policies import POLICIES, Policy, PolicyError, apply_policy
+from trainer.precision import plugin
+from trainer.schema import Config
+from trainer.step import StepMeter, bare_step, optimizers_of
+
+MIB = 2**20
+
+
+class BenchError(ValueError):
+    """A request this machine or shape cannot run; the message is one line."""
+
+
+def bench_config(overrides: Sequence[str], device_type: str) -> tuple[Config, dict[str, Any]]:
+    """train.py's config from `overrides` (`trainer.estimate.compose_config`), with `precision` settled for this
+    device as a run settles it (so the estimator and the measured step run the same precision), and the
+    environment line of the tables."""
+    config = estimate.compose_config(list(overrides))
+    env = environment(device_type, config.precision)
+    config.precision = env["precision"]
+    return config, env
+
+
+def tokenizer_vocab(config: Config) -> int | None:
+    """The vocabulary train.py's tokenizer would give the model (model.vocab_size, when set, wins in build_model)."""
+    if config.data.tokenizer == "byte":
+        return 256
+    if config.data.tokenizer == "bpe":
+        return config.data.bpe_vocab_size
+    return None  # model=hf with its own tokenizer: the model keeps its vocabulary
+
+
+def build_module(config: Config) -> DecoderModule:
+    """The run's LightningModule, initialised from `config.seed` as train.py initialises it (policy `none`: the
+    benchmarks switch policies with `apply_policy`)."""
+    torch.manual_seed(config.seed)
+    return DecoderModule(
+        config.model,
+        "none",
+        config.optim,
+        max_steps=config.trainer.max_steps,
+        loss=config.loss,
+        vocab_size=tokenizer_vocab(config),
+    )
+
+
+def model_shape(config: Config) -> tuple[int, str]:
+    """(layers, attention) of the configured model, through the decoder contract (any family; built on the meta
+    device, so nothing is allocated)."""
+    with torch.device("meta"):
+        adapter = build_module(config).adapter
+    return adapter.n_layer, adapter.attention
+
+
+def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def quiet_policy_notices() -> Iterator[None]:
+    """The one-time notices (offload without CUDA, selective with sdpa) say what the table shows anyway."""
+    logger = logging.getLogger("trainer.policies")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass
+class Variant:
+    """One thing a benchmark compares: a policy (built fresh for each module it runs on), a loss head and the
+    micro-batch size (None: the configured one; smaller: the same tokens as more micro-batches per step)."""
+
+    label: str
+    make_policy: Callable[[], Policy]
+    loss: LossConfig
+    micro_batch: int | None = None
+    _policy: Policy | None = field(default=None, repr=False)
+
+    @property
+    def policy(self) -> Policy:
+        if self._policy is None:
+            self._policy = self.make_policy()
+        return self._policy
+
+
+PolicyFactories = dict[str, Callable[[], Policy]]
+
+
+def registered_policies(config: Config, only: Sequence[str] | None = None) -> tuple[PolicyFactories, dict[str, str]]:
+    """Every registered policy (`trainer.policies.POLICIES`, registration order) with its conf/policy/<name>.yaml
+    parameters (`trainer.estimate.default_policy`), or those named in `only`; a policy that cannot run from its
+    conf on this model maps to its one-line reason instead (`auto` needs a budget: bench/planner.py plans it)."""
+    n_layer, attention = model_shape(config)
+    names = list(POLICIES) if only is None else list(only)
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise BenchError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    runnable: PolicyFactories = {}
+    skipped: dict[str, str] = {}
+    with quiet_policy_notices():
+        for name in names:
+            try:
+                estimate.default_policy(name).check(n_layer, attention)
+            except PolicyError as e:
+                skipped[name] = str(e) + (" (bench.planner plans it across budgets)" if name == "auto" else "")
+                continue
+            runnable[name] = lambda name=name: estimate.default_policy(name)
+    return runnable, skipped
+
+
+class UncountedOps(TorchDispatchMode):
+    """Ops outside aten/prims that FlopCounterMode has no formula for (a fused kernel's FLOPs it cannot see);
+    `profiler` ops (record_function marks, e.g. the optimizer's) compute nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        packet = func._overloadpacket
+        if func.namespace not in ("aten", "prims", "profiler") and packet not in flop_registry:
+            self.names.add(str(packet))
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class Figures:
+    """One step's figures: StepMeter's (bytes) and count_flops' (forward + backward, recompute included)."""
+
+    activation_bytes: int  # memory/activation_peak_mib
+    total_bytes: int  # memory/peak_total_mib (the live-tensor tracker's, with the training state adopted)
+    head_bytes: int  # the most the head (final norm, logits, loss; forward and backward) held at once
+    flops: int
+    uncounted_ops: list[str]
+    cuda_peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak over the metered step
+
+
+class Harness:
+    """One configuration's module, optimizer, scheduler, precision plugin and fixed batch on one device."""
+
+    def __init__(self, config: Config, device: str | torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.precision = config.precision
+        if self.precision == "auto":
+            raise BenchError("settle precision=auto first (bench_config)")
+        self.plugin = plugin(self.precision, self.device.type)
+        module = self.plugin.convert_module(build_module(config))  # bf16-true: the weights in bf16, as Lightning
+        self.module = module.to(self.device).train()
+        self.optimizer, self.scheduler = optimizers_of(self.module)
+        self.vocab = int(self.module.adapter.head.weight.shape[0])
+        self.batch = random_batch(self.vocab, config.batch_size * config.accum, config.seq_len, seed=0)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch[0].numel()
+
+    def describe(self) -> str:
+        c, d = self.config, self.module.adapter.describe()
+        family = d["family"] if "model_type" not in d else f"{d['family']} {d['model_type']}"
+        kv = f" ({d['n_kv_head']} key/value)" if d["n_kv_head"] != d["n_head"] else ""
+        dropout = f", dropout {d['dropout']}" if "dropout" in d else ""
+        return (
+            f"`{c.model.name}` ({family}: L={d['n_layer']}, d={d['n_embd']}, {d['n_head']} heads{kv}, vocab "
+            f"{d['vocab_size']}, {d['attention']} attention{dropout}, {d['params']:,} parameters); micro-batch "
+            f"{c.batch_size}×{c.seq_len} tokens, accum {c.accum}"
+        )
+
+    def batches(self, micro_batch: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed batch as the step's micro-batches, on the device."""
+        mb = micro_batch or self.config.batch_size
+        x, y = self.batch
+        if x.shape[0] % mb:
+            raise BenchError(f"micro-batch {mb} does not divide the batch of {x.shape[0]} sequences")
+        return [
+            (x[i : i + mb].to(self.device, non_blocking=True), y[i : i + mb].to(self.device, non_blocking=True))
+            for i in range(0, x.shape[0], mb)
+        ]
+
+    def use(self, variant: Variant) -> None:
+        apply_policy(self.module.model, variant.policy)
+        self.module.loss_config = variant.loss
+
+    def step(self, variant: Variant | None = None, meter: StepMeter | None = None) -> None:
+        mb = None if variant is None else variant.micro_batch
+        bare_step(
+            self.module,
+            self.batches(mb),
+            self.optimizer,
+            self.scheduler,
+            self.plugin,
+            grad_clip=self.config.trainer.grad_clip,
+            meter=meter,
+            layers=list(self.module.adapter.layers),
+        )
+
+    def warm(self, steps: int = 1) -> None:
+        """Steps before anything is measured: AdamW's state and last step's gradients then exist, as they do from
+        a run's second step on."""
+        for _ in range(steps):
+            self.step()
+        sync(self.device)
+
+    def measure(self, variant: Variant) -> Figures:
+        """Two untimed steps of `variant`: one under StepMeter (regions on, for the head's share), one counted."""
+        self.use(variant)
+        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        torch.manual_seed(1)  # the same dropout masks for every variant
+        meter = StepMeter(self.device.type, regions=True)
+        self.step(variant, meter)
+        sync(self.device)
+        figures = meter.end(self.module)
+        cuda_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        torch.manual_seed(1)
+        with UncountedOps() as uncounted:
+            flops = count_flops(lambda: self.step(variant))
+        return Figures(
+            activation_bytes=figures.activation_bytes,
+            total_bytes=figures.total_bytes,
+            head_bytes=figures.head_peak,
+            flops=flops,
+            uncounted_ops=sorted(uncounted.names),
+            cuda_peak_allocated_bytes=cuda_peak,
+        )
+
+    def timed(self, variant: Variant) -> float:
+        self.use(variant)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.step(variant)
+        sync(self.device)
+        return time.perf_counter() - t0
+
+    def interleaved(self, variants: dict[str, Variant], rounds: int, warmup: int = 0) -> dict[str, list[float]]:
+        """Seconds per step of each variant: `warmup` untimed rounds, then `rounds`; in round r every variant runs
+        one step, the order rotated by r, so slow drifts of a shared machine's load fall on all of them alike."""
+        names = list(variants)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(warmup + rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                seconds = self.timed(variants[name])
+                if r >= warmup:
+                    times[name].append(seconds)
+        return times
+
+
+def estimator_session(config: Config, device: torch.device) -> estimate.Session:
+    """The estimator's fake-tensor session for the same config (open_session: module, optimizer, one step)."""
+    return estimate.open_session(config, device.type)
+
+
+def estimated(session: estimate.Session, variant: Variant) -> estimate.Estimate:
+    """The estimator's figures for `variant` (a policy object of its own: policies keep per-model state)."""
+    with quiet_policy_notices():
+        return estimate.measure(session, variant.make_policy(), variant.loss)
+
+
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median over rounds of a's step over b's step in the same round."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def spread(values: Sequence[float]) -> float:
+    """Half the interquartile range over the median: how far a typical step strays."""
+    if len(values) < 4:
+        return (max(values) - min(values)) / 2 / statistics.median(values)
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / 2 / statistics.median(values)

@@ -1,0 +1,152 @@
+"""Hugging Face causal LMs behind the contract: a user's local folder trains under the project's policies with its own
+tokenizer, pretrained weights load, and every way it can go wrong is one line. No network: tiny configs and a
+tiny tokenizer are written to a temp folder (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from models.adapter import adapter_for
+from models.hf import HFModelError, load_causal_lm
+from tests.conftest import SMALL, run_cli
+from trainer.run import train
+
+RUN = ["trainer.max_steps=3", "trainer.enable_checkpointing=false", "trainer.val_batches=1", "seq_len=32"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_a_local_folder_trains_with_its_own_tokenizer(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models[family]}", "model.attention=eager",
+                      "data.tokenizer=model", "policy=op_sac", *RUN)  # fmt: skip
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "completed" and summary["plan"] == "[0-3]:op_sac"
+    assert summary["data"]["tokenizer"] == "model"
+    model = summary["model"]
+    assert model["family"] == "hf" and model["n_layer"] == 4 and model["vocab_size"] == 320
+    assert summary["activation_peak_mib"] > 0 and summary["final_train_loss"] < 6.0  # ln(320) ≈ 5.77
+
+
+def test_pretrained_loads_the_saved_weights(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    import transformers
+
+    folder = tmp_path / "trained"
+    shutil.copytree(hf_models["llama"], folder)
+    torch.manual_seed(3)
+    saved = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    saved.save_pretrained(folder)
+    loaded = load_causal_lm(str(folder), pretrained=True)
+    fresh = load_causal_lm(str(folder), pretrained=False)
+    want = saved.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    assert not all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+def test_dropout_override_sets_every_probability(hf_models: dict[str, Path]) -> None:
+    gpt2 = load_causal_lm(str(hf_models["gpt2"]), dropout=0.0)
+    assert (gpt2.config.attn_pdrop, gpt2.config.resid_pdrop, gpt2.config.embd_pdrop) == (0.0, 0.0, 0.0)
+    llama = load_causal_lm(str(hf_models["llama"]))  # null: the config's own
+    assert llama.config.attention_dropout == 0.1
+
+
+def test_eager_attention_runs_the_seam_and_sdpa_does_not(hf_models: dict[str, Path]) -> None:
+    from models.hf import WRAPPER_ATTR
+
+    eager, sdpa = (load_causal_lm(str(hf_models["llama"]), attention=a) for a in ("eager", "sdpa"))
+    assert adapter_for(eager).attention == "eager" and adapter_for(sdpa).attention == "sdpa"
+    calls = []
+
+    def wrapper(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(fn.__module__)
+        return fn(*args, **kwargs)
+
+    for model in (eager, sdpa):
+        adapter_for(model).wrap_core_attention(0, wrapper)
+        model(input_ids=torch.randint(0, 320, (1, 8)))
+    assert calls == ["transformers.models.llama.modeling_llama"]  # the model's own eager core, once (eager model)
+    assert WRAPPER_ATTR in adapter_for(sdpa)._attention_module(0).__dict__
+
+
+# ----------------------------------------------------------------------------------------------------
+# One line for each way it goes wrong.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_folder_without_config_json(tmp_path: Path) -> None:
+    with pytest.raises(HFModelError, match="the folder has no config.json; point it at a saved Hugging Face model"):
+        load_causal_lm(str(tmp_path))
+
+
+def test_a_hub_id_offline_fails_at_once() -> None:
+    with pytest.raises(HFModelError) as e:
+        load_causal_lm("surely-not/a-cached-model")
+    assert "offline and no cached copy" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_model_that_is_not_a_causal_lm(tmp_path: Path) -> None:
+    import transformers
+
+    transformers.T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2, d_ff=32).save_pretrained(tmp_path)
+    with pytest.raises(HFModelError, match="is a T5Config .t5., not a causal language model"):
+        load_causal_lm(str(tmp_path))
+
+
+def test_data_tokenizer_model_without_a_tokenizer(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
+                                                  tmp_path: Path) -> None:  # fmt: skip
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(hf_models["llama"] / "config.json", bare / "config.json")
+    cfg = compose_cfg("model=hf", f"model.name_or_path={bare}", "data.tokenizer=model", *RUN)
+    with pytest.raises(HFModelError) as e:
+        train(cfg, tmp_path / "run")
+    assert str(e.value).startswith(f"data.tokenizer=model: {bare} has no tokenizer that loads")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eager_request_on_a_model_with_no_eager_path(hf_models: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.delattr(modeling_llama, "eager_attention_forward")
+    with pytest.raises(HFModelError, match="has no eager attention path .* use model.attention=sdpa"):
+        load_causal_lm(str(hf_models["llama"]), attention="eager")
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
+                                                tmp_path: Path) -> None:  # fmt: skip
+    from trainer.schema import ConfigError
+
+    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models['gpt2']}", "data.tokenizer=bpe",
+                      "data.bpe_vocab_size=400", *RUN)  # fmt: skip
+    with pytest.raises(ConfigError, match="the tokenizer's 400 ids do not fit hf's vocabulary of 320"):
+        train(cfg, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_cli_trains_a_local_hf_model_as_the_readme_says(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = run_cli(*SMALL, "model=hf", f"model.name_or_path={hf_models['qwen2']}", "policy=op_sac",
+                "data.tokenizer=model", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["model"]["model_type"] == "qwen2"
+
+
+@pytest.mark.slow
+def test_cli_hf_errors_are_one_line(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    for args, fragment in (
+        (["model=hf", f"model.name_or_path={tmp_path}"], "has no config.json"),
+        (["model=hf", "model.name_or_path=surely-not/a-cached-model"], "offline and no cached copy"),
+        (["model=hf"], "model.name_or_path"),
+    ):
+        r = run_cli(*SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}")
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]

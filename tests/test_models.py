@@ -1,0 +1,132 @@
+"""The model families behind the decoder contract: LLaMA's numerics against the Hugging Face reference, the
+contract's view of each family, grouped-query attention inside the seam, and the presets' published shapes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from models import build_model
+from models.adapter import adapter_for
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+from tests.conftest import CONF
+from trainer.memory import LiveTensorTracker
+from trainer.policies import apply_policy
+from trainer.schema import validate
+
+
+def hf_twin(ours: Llama) -> Any:
+    """transformers' LlamaForCausalLM of the same shape, with our weights (parameter names match under prefix)."""
+    import transformers
+
+    c = ours.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, max_position_embeddings=c.block_size,
+        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,
+        attention_bias=False, mlp_bias=False,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} if c.tie_embeddings else not missing, missing
+    return hf.eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_logits_equal_the_hf_reference(attention: str, tie: bool) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, block_size=64, n_layer=3, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=160,
+                         rope_theta=500000.0, tie_embeddings=tie, attention=attention)  # fmt: skip
+    ours = Llama(config).eval()
+    hf = hf_twin(ours)
+    idx = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        want = hf(input_ids=idx).logits
+        got = ours(idx)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_state_dict_loads_into_hf_and_back() -> None:
+    torch.manual_seed(1)
+    ours = Llama(LlamaConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_kv_head=1, n_embd=32, mlp_hidden=64))
+    hf = hf_twin(ours)
+    again = Llama(copy.deepcopy(ours.config))
+    again.load_state_dict(hf.state_dict(), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values(), strict=True))
+
+
+def test_gqa_repeat_is_inside_the_seam_so_selective_drops_it() -> None:
+    """With n_kv_head < n_head the eager core repeats k and v per query head; under `selective` those repeated
+    copies are recomputed, not kept: the bytes kept after the forward drop by the T×T tensors AND the repeats."""
+    torch.manual_seed(0)
+    c = LlamaConfig(vocab_size=64, block_size=32, n_layer=1, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=128,
+                    attention="eager")  # fmt: skip
+    base = Llama(c)
+
+    def kept(policy: str) -> int:
+        model = copy.deepcopy(base)
+        apply_policy(model, policy)
+        x = torch.randint(0, 64, (2, 32))
+        with LiveTensorTracker() as t:
+            loss = model(x, x)[1]  # its graph holds what the forward saved
+            kept = t.live_bytes
+        del loss
+        return kept
+
+    B, T, H, KV, D = 2, 32, 8, 2, 8
+    # none keeps the softmax output (B·H·T², fp32), the inverted causal mask (T² bools) and k, v repeated to every
+    # query head (what the matmuls save); selective keeps only the core's inputs, k and v at their 2 heads.
+    kept_by_none = B * H * T * T * 4 + T * T + 2 * B * H * T * D * 4
+    kept_by_selective = 2 * B * KV * T * D * 4
+    assert kept("none") - kept("selective") == kept_by_none - kept_by_selective
+
+
+@pytest.mark.parametrize(
+    "preset, layers, d, heads, kv, hidden, vocab, params",
+    [
+        ("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 6_738_415_616),
+        ("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8_030_261_248),
+        ("llama3-1b", 16, 2048, 32, 8, 8192, 128256, 1_235_814_400),
+    ],
+)
+def test_presets_have_the_published_shapes(
+    compose_cfg: Any, preset: str, layers: int, d: int, heads: int, kv: int, hidden: int, vocab: int, params: int
+) -> None:
+    """Shapes from each model's config.json; parameter counts as the model cards publish them, counted on a
+    meta-device model (nothing allocated)."""
+    m = validate(compose_cfg(f"model={preset}", small=False)).model
+    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.mlp_hidden, m.vocab_size) == (layers, d, heads, kv, hidden,
+                                                                                         vocab)  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(m)
+    assert adapter_for(model).num_parameters() == params
+
+
+def test_every_model_yaml_builds_through_the_contract(compose_cfg: Any, hf_models: dict[str, Path]) -> None:
+    for path in sorted((CONF / "model").glob("*.yaml")):
+        extra = [f"model.name_or_path={hf_models['llama']}"] if path.stem == "hf" else []
+        m = validate(compose_cfg(f"model={path.stem}", *extra, "seq_len=16", small=False)).model
+        with torch.device("meta"):
+            model = build_model(m, 256)
+        a = adapter_for(model)
+        d = a.describe()
+        assert a.n_layer == len(a.layers) > 0 and d["family"] in ("gpt", "llama", "hf"), path.stem
+        assert a.head.weight.shape[-1] == d["n_embd"] and a.attention in ("eager", "sdpa")
+
+
+def test_gpt_tied_and_untied_heads() -> None:
+    tied = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    untied = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, tie_embeddings=False))
+    assert adapter_for(tied).tied_head and not adapter_for(untied).tied_head
+    assert untied.num_parameters() - tied.num_parameters() == 64 * 32
+
+
+def test_the_contract_refuses_a_model_that_is_not_a_decoder() -> None:
+    with pytest.raises(TypeError, match="decoder contract"):
+        adapter_for(torch.nn.Linear(2, 2))
