@@ -16,7 +16,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer.schema import describe_user_error, register_configs
+from trainer.rundir import discard_run_dir, write_json_atomic
+from trainer.schema import describe_user_error, register_configs, validate
 
 register_configs()
 
@@ -26,28 +27,35 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    # Lightning and datasets load only once the config is known good.
-    from trainer.run import RunFailed, train, write_json_atomic
+    from trainer.policies import build_policy
 
     hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        summary = train(cfg, Path(hydra_cfg.runtime.output_dir))
-    except RunFailed as e:
-        if hydra_cfg.mode == RunMode.MULTIRUN:  # summary.json records it; one bad cell must not stop the sweep
-            logging.getLogger("train").error("job %s %s", hydra_cfg.job.num, e)
-            return None
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        # The schema's checks and the policy's parameters first: a bad value is refused in a second, before
+        # Lightning and datasets load.
+        config = validate(cfg)
+        build_policy(config.policy)
+        from trainer.run import train
+
+        summary = train(config, run_dir)
     except Exception as e:
+        if type(e).__name__ == "RunFailed":  # trainer.run's: the run started, summary.json records how it ended
+            if hydra_cfg.mode == RunMode.MULTIRUN:  # one bad cell must not stop the sweep
+                logging.getLogger("train").error("job %s %s", hydra_cfg.job.num, e)
+                return None
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
         line = describe_user_error(e)
         if line is not None and hydra_cfg.mode == RunMode.MULTIRUN:
             # A cell the sweep cannot run (e.g. policy.k above this model's depth): say so in its folder, go on.
-            run_dir = Path(hydra_cfg.runtime.output_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(run_dir / "summary.json", {"status": "error", "error": line})
             logging.getLogger("train").error("job %s refused: %s", hydra_cfg.job.num, line)
             return None
         # Exit here rather than raise: Hydra would wrap a raised error in a report of its own.
+        if line is not None:
+            discard_run_dir(run_dir)
         _exit_if_user_error(e)
         raise
     return summary.get("final_val_loss")  # the objective for Hydra sweepers that optimise

@@ -55,13 +55,20 @@ def kill_after_step(run_dir: Path, step: int, *args: str) -> None:
     assert not (run_dir / "summary.json").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("resume_policy", ["none", "full"])
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path, resume_policy: str) -> None:
-    reference = tmp_path / "reference"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run a killed-and-resumed one must equal, once for every resume policy."""
+    reference = tmp_path_factory.mktemp("reference")
     r = run_cli(*RESUME, "policy=none", f"hydra.run.dir={reference}")
     assert r.returncode == 0, r.stderr[-2000:]
+    return reference
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_policy", ["none", "full"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path, resume_policy: str,
+                                                         uninterrupted: Path) -> None:  # fmt: skip
+    reference = uninterrupted
     killed = tmp_path / "killed"
     kill_after_step(killed, 5, *RESUME, "policy=none")
     killed_at = max(step_losses(killed))
@@ -80,11 +87,10 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path, resume_
 
 
 @pytest.mark.slow
-def test_truncated_and_foreign_checkpoints_are_one_line(tmp_path: Path) -> None:
+def test_truncated_and_foreign_checkpoints_are_one_line(tmp_path: Path, compose_cfg) -> None:
     truncated = tmp_path / "truncated.ckpt"
     good = tmp_path / "good"
-    r = run_cli(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={good}")
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert train(compose_cfg("trainer.max_steps=2"), good)["status"] == "completed"
     truncated.write_bytes((good / "checkpoints" / "last.ckpt").read_bytes()[:1000])
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.zeros(3)}, foreign)

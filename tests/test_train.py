@@ -214,3 +214,15 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("eager", "compiled"))
     assert b["status"] == "completed" and b["plan"] == "[0-1]:full"
     assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], abs=2e-3)  # inductor reorders float math
+
+
+def test_a_run_shorter_than_the_warm_up_still_measures(tmp_path: Path, compose_cfg) -> None:
+    """The issue's smoke run: 3 steps of 8 micro-batches with the default warm-up of 3 steps. Its last step is
+    tracked, every memory figure is there, and the summary says its times include warm-up."""
+    cfg = compose_cfg("policy=selective", "accum=8", "trainer.max_steps=3", "measure.warmup_steps=3",
+                      "measure.activation_every_n_steps=25", "trainer.enable_checkpointing=false")  # fmt: skip
+    summary = train(cfg, tmp_path / "run")
+    assert summary["steps"] == 3 and summary["time_includes_warmup"] is True
+    assert summary["activation_peak_mib"] > 0 and summary["peak_total_mib"] > summary["activation_peak_mib"]
+    tagged = [e.step for e in events(tmp_path / "run").Scalars("memory/activation_peak_mib")]
+    assert tagged == [3]  # the last step, logged under its global step

@@ -14,12 +14,10 @@ A run that fails after it started still writes summary.json, with `status` and w
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import resource
-import shutil
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +41,7 @@ from trainer.memory import MIB
 from trainer.module import DecoderModule
 from trainer.policies import PolicyError, build_policy, policy_params
 from trainer.progress import sweep_progress
+from trainer.rundir import discard_run_dir, write_json_atomic
 from trainer.schema import Config, ConfigError, TrainerConfig, validate
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,6 @@ if logging.getLogger().hasHandlers():
     logging.getLogger("lightning").handlers.clear()
 
 USER_ERRORS = (ConfigError, PolicyError, DataError, HFModelError)
-HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before our code runs
 
 
 class RunFailed(RuntimeError):
@@ -210,12 +208,6 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
     return name
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
     """Train one configuration; returns the summary also written to `run_dir/summary.json`.
 
@@ -265,12 +257,6 @@ def vocab_for(config: Config, tokenizer_vocab: int) -> int:
             "leave it null to take the tokenizer's size"
         )
     return tokenizer_vocab
-
-
-def discard_run_dir(run_dir: Path) -> None:
-    """A run refused before it started leaves nothing behind but Hydra's own files: remove those too."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class Run:

@@ -1,0 +1,74 @@
+"""precision=auto by hardware, on both kinds of CPU (the capability probe monkeypatched), and what a run records."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SMALL, run_cli
+from trainer import precision
+from trainer.run import preflight, train
+from trainer.schema import validate
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16-cpu", "emulated-bf16-cpu"])
+def cpu_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    native = bool(request.param)
+    why = "this CPU has AVX512-BF16 (torch: AVX512)" if native else "this CPU has no AVX512-BF16 or AMX (torch: AVX2)"
+    monkeypatch.setattr(precision, "cpu_bf16_native", lambda: (native, why))
+    return native
+
+
+def test_auto_picks_by_hardware_and_says_why_in_one_line(cpu_kind: bool) -> None:
+    chosen, line = precision.resolve("auto", "cpu")
+    assert chosen == ("bf16-mixed" if cpu_kind else "32-true")
+    assert "\n" not in line and line.startswith(f"precision=auto → {chosen}: this CPU has")
+    other = "precision=32-true forces fp32" if cpu_kind else "precision=bf16-mixed forces bf16"
+    assert other in line  # how to force the other
+
+
+def test_an_explicit_precision_is_kept(cpu_kind: bool) -> None:
+    assert precision.resolve("bf16-mixed", "cpu")[0] == "bf16-mixed"
+    assert precision.resolve("32-true", "cpu")[0] == "32-true"
+
+
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_slowdown(cpu_kind: bool) -> None:
+    warning = precision.emulation_warning("bf16-mixed", "cpu")
+    if cpu_kind:
+        assert warning is None
+    else:
+        assert warning is not None and "\n" not in warning and "17× slower" in warning and "precision=auto" in warning
+    assert precision.emulation_warning("32-true", "cpu") is None
+
+
+def test_preflight_settles_auto_and_logs_it(cpu_kind: bool, compose_cfg: Callable[..., Any], tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    config = validate(compose_cfg("precision=auto"))
+    with caplog.at_level(logging.INFO, logger="trainer.run"):
+        preflight(config, tmp_path / "run")
+    assert config.precision == ("bf16-mixed" if cpu_kind else "32-true")
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.run"]
+    assert any(m.startswith(f"precision=auto → {config.precision}") for m in said), said
+
+
+def test_a_run_records_the_precision_it_used(monkeypatch: pytest.MonkeyPatch, compose_cfg: Callable[..., Any],
+                                             tmp_path: Path) -> None:  # fmt: skip
+    monkeypatch.setattr(precision, "cpu_bf16_native", lambda: (False, "no native bf16"))
+    cfg = compose_cfg("precision=auto", "trainer.max_steps=2", "trainer.enable_checkpointing=false")
+    summary = train(cfg, tmp_path / "run")
+    assert summary["precision"] == "32-true"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["precision"] == "32-true"
+
+
+@pytest.mark.slow
+def test_the_cli_says_which_precision_it_chose(tmp_path: Path) -> None:
+    r = run_cli(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    chosen = json.loads((tmp_path / "run" / "summary.json").read_text())["precision"]
+    assert chosen in ("bf16-mixed", "32-true")
+    assert f"precision=auto → {chosen}: this CPU" in r.stdout + r.stderr

@@ -1,0 +1,24 @@
+"""The run folder's bookkeeping that must work before Lightning loads: an atomic summary.json, and leaving nothing
+behind when a run is refused before it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before our code runs
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """A run refused before it started leaves nothing behind but Hydra's own files: remove those too."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(run_dir, ignore_errors=True)
