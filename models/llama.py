@@ -118,8 +118,6 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
         self.attn_dropout = nn.Dropout(config.dropout)
-        mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -143,7 +141,10 @@ class Attention(nn.Module):
         v = v.repeat_interleave(groups, dim=1)
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, n_head, T, T)
-        att = att.masked_fill(~self.causal_mask[:T, :T], float("-inf"))
+        # Made per call rather than kept as a (block_size, block_size) buffer per layer: at LLaMA-3's 8K context
+        # 32 such buffers would hold 2 GiB. masked_fill keeps it for backward either way.
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        att = att.masked_fill(future, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
         return att @ v

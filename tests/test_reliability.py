@@ -202,6 +202,22 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
     assert runs["none"]["final_train_loss"] == runs[policy]["final_train_loss"]  # policies compose with it
     assert runs[policy]["per_rank"][0]["activation_peak_mib"] < runs["none"]["per_rank"][0]["activation_peak_mib"]
     assert len(list(tmp_path.glob("*/summary.json"))) == 2  # written once per run (rank 0)
+    if strategy != "fsdp2":
+        return
+    # The estimator's one rank of FSDP2 (a fake process group): sharded state, all-gather buffers, activations.
+    from trainer.estimate import compose_config, measure, open_session
+    from trainer.policies import build_policy
+
+    for p, summary in runs.items():
+        config = compose_config([*SMALL, f"trainer={strategy}", f"policy={p}", "model.n_layer=4"])
+        session = open_session(config)
+        try:
+            est = measure(session, build_policy(config.policy))
+        finally:
+            session.close()
+        for estimated, run in ((est.activation_bytes, summary["per_rank"][0]["activation_peak_mib"]),
+                               (est.peak_bytes, summary["peak_total_mib"])):  # fmt: skip
+            assert abs(estimated / (run * 2**20) - 1) <= 0.005, (p, estimated, run * 2**20)
 
 
 @pytest.mark.slow

@@ -125,6 +125,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._op_index = 0
         self._active = True
         super().__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
@@ -138,6 +139,33 @@ class LiveTensorTracker(TorchDispatchMode):
             )
         super().__exit__(exc_type, exc_val, exc_tb)
         self._active = False
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def _storage_resized(self, storage: Any, before: int) -> None:
+        """A storage changed size outside any op (UntypedStorage.resize_: FSDP2 frees an unsharded parameter with
+        resize_(0) and all-gathers into it again after resize_(n)). A tracked storage moves by the difference; an
+        untracked one growing from empty is an allocation in the window, from now on tracked."""
+        if self.device_type is not None and storage.device.type not in (self.device_type, "meta"):
+            return
+        window = self._window
+        nbytes = storage.nbytes()
+        with window.lock:
+            entry = window.live.get(storage._cdata)
+            if entry is not None:
+                window.live[storage._cdata] = (entry[0], nbytes, entry[2])
+                window.add(nbytes - entry[1], entry[0])
+                return
+            if before != 0 or nbytes == 0:
+                return  # bytes from before the window (never counted) changing size
+            record = window.next_record
+            window.next_record += 1
+            cdata = storage._cdata
+            ref = weakref.ref(storage, lambda _r, w=window.weak_self, c=cdata, rec=record: _on_storage_freed(w, c, rec))
+            window.live[cdata] = (record, nbytes, ref)
+            if self.region:
+                window.labels[record] = self.region
+            window.add(nbytes, record)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -336,6 +364,23 @@ def local_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
         else:
             out.append(t)
     return out
+
+
+_ACTIVE: list[LiveTensorTracker] = []
+_storage_resize = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage: Any, size: int) -> Any:
+    before = storage.nbytes()
+    out = _storage_resize(storage, size)
+    for tracker in list(_ACTIVE):
+        tracker._storage_resized(storage, before)
+    return out
+
+
+# A storage's resize_ is no op of the dispatcher, so no TorchDispatchMode sees it; this one wrapper lets the
+# active trackers see it (a no-op beyond one list check while none is active).
+torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
 
 
 def _storages_of(tree: Any) -> set[int]:

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16-true", "32-true", "16-mixed")
-EMULATED_BF16_SLOWDOWN = "about 17× slower than 32-true (measured on a 2-core AMD EPYC with AVX2 only)"
+EMULATED_BF16_SLOWDOWN = "about 17× slower than 32-true, as measured on a 2-core AMD EPYC with AVX2 only"
 
 
 def cpu_bf16_native() -> tuple[bool, str]:
@@ -52,7 +52,7 @@ def resolve(requested: str, device_type: str) -> tuple[str, str]:
         return requested, f"precision={requested} (as configured)"
     if native:
         return "bf16-mixed", f"precision=auto → bf16-mixed: {why}; precision=32-true forces fp32"
-    return "32-true", f"precision=auto → 32-true: {why}; precision=bf16-mixed forces bf16 ({EMULATED_BF16_SLOWDOWN})"
+    return "32-true", f"precision=auto → 32-true: {why}; precision=bf16-mixed forces bf16, {EMULATED_BF16_SLOWDOWN}"
 
 
 def emulation_warning(precision: str, device_type: str) -> str | None:
