@@ -120,6 +120,18 @@ def test_an_eager_request_on_a_model_with_no_eager_path(hf_models: dict[str, Pat
         load_causal_lm(str(hf_models["llama"]), attention="eager")
 
 
+def test_selective_on_a_model_with_no_eager_path(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.models.llama import modeling_llama
+
+    from trainer.policies import PolicyError, apply_policy
+
+    model = load_causal_lm(str(hf_models["llama"]), attention="sdpa")
+    monkeypatch.delattr(modeling_llama, "eager_attention_forward")
+    with pytest.raises(PolicyError, match="has no eager attention core to recompute .* choose op_sac or full"):
+        apply_policy(model, "selective")
+    apply_policy(model, "op_sac")  # the others still apply
+
+
 def test_a_tokenizer_larger_than_the_vocabulary(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
                                                 tmp_path: Path) -> None:  # fmt: skip
     from trainer.schema import ConfigError

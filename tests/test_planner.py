@@ -232,7 +232,7 @@ def test_solver_is_exact_on_6_block_synthetic_profiles_where_pruning_is_busy(see
 
 def test_solver_takes_the_transient_where_it_happens() -> None:
     """A big recompute transient on the LAST block's backward coexists with every block's kept bytes; the same on
-    block 0 coexists only with block 0's: the model tells them apart (the issue's 'fixed + Σ kept + the largest
+    block 0 coexists only with block 0's: the model tells them apart ('fixed + Σ kept + the largest
     transient' is the bound for the last block)."""
     rng = random.Random(0)
     prof = synthetic(rng, ("none", "full"), accum=2, integer_ms=False)

@@ -217,7 +217,7 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
 
 
 def test_a_run_shorter_than_the_warm_up_still_measures(tmp_path: Path, compose_cfg) -> None:
-    """The issue's smoke run: 3 steps of 8 micro-batches with the default warm-up of 3 steps. Its last step is
+    """A smoke run: 3 steps of 8 micro-batches with the default warm-up of 3 steps. Its last step is
     tracked, every memory figure is there, and the summary says its times include warm-up."""
     cfg = compose_cfg("policy=selective", "accum=8", "trainer.max_steps=3", "measure.warmup_steps=3",
                       "measure.activation_every_n_steps=25", "trainer.enable_checkpointing=false")  # fmt: skip

@@ -432,22 +432,21 @@ def _label_order(item: tuple[str, int]) -> tuple[int, int, str]:
 
 
 def _components(session: Session, figures: step_.StepFigures) -> dict[str, int]:
+    """The training state's bytes on this rank (a sharded parameter counts its local shard) and the two figures."""
+    from trainer.memory import local_tensors
+
+    def nbytes(tensors: Any) -> int:
+        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in local_tensors(tensors)}
+        return sum(s.nbytes() for s in storages.values())
+
     module = session.module
-    params = sum(p.untyped_storage().nbytes() for p in dict.fromkeys(module.parameters()))
-    buffers = sum(b.untyped_storage().nbytes() for b in module.buffers())
-    grads = sum(p.untyped_storage().nbytes() for p in dict.fromkeys(module.parameters()) if p.requires_grad)
-    grads = sum(p.grad.untyped_storage().nbytes() for p in module.parameters() if p.grad is not None) or grads
-    state = sum(
-        v.untyped_storage().nbytes()
-        for st in session.optimizer.state.values()
-        for v in st.values()
-        if isinstance(v, torch.Tensor)
-    )
+    params = list(module.parameters())
+    state = [v for st in session.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return {
-        "parameters": params,
-        "buffers": buffers,
-        "gradients": grads,
-        "optimizer_state": state,
+        "parameters": nbytes(params),
+        "buffers": nbytes(module.buffers()),
+        "gradients": nbytes(p.grad for p in params) or nbytes(p for p in params if p.requires_grad),
+        "optimizer_state": nbytes(state),
         "activation_peak": figures.activation_bytes,
         "head_peak": figures.head_peak,
         "total": figures.total_bytes,
@@ -496,9 +495,11 @@ def estimate_tables(
     workers: int = 1,
     losses: bool = True,
     policies: bool = True,
+    first: Callable[[], Estimate] | None = None,
 ) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
     """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
-    policy under every loss head.
+    policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
+    are started (so their start-up overlaps it); it stands for `known`.
 
     A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
     offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
@@ -509,9 +510,12 @@ def estimate_tables(
     table: dict[str, Estimate | str] = {}
     heads: dict[str, Estimate | str] = {}
     tasks: list[Task] = []
+    own_policy = known.policy if known is not None else configured if first is not None else None
+    own_loss = known.loss if known is not None else config.loss.name if first is not None else None
     for name in POLICIES:
-        if known is not None and name == known.policy:
-            table[name] = known
+        if name == own_policy:
+            if known is not None:
+                table[name] = known
         elif not policies:
             continue
         elif name == "auto" and (plans or {}).get("auto") is None:
@@ -519,11 +523,12 @@ def estimate_tables(
         else:
             tasks.append((name, None))
     for name in LOSSES if losses else ():
-        if known is not None and name == known.loss:
-            heads[name] = known
+        if name == own_loss:
+            if known is not None:
+                heads[name] = known
         else:
             tasks.append((configured, name))
-    shares = [tasks[i::workers] for i in range(workers)] if workers > 1 and len(tasks) > 2 else [tasks]
+    shares = _split(tasks, workers, session, config, plans, first is not None) if workers > 1 else [tasks]
     pool = None
     futures = []
     if len(shares) > 1:
@@ -534,6 +539,11 @@ def estimate_tables(
         futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
     done: dict[Task, Estimate | str] = {}
     try:
+        if first is not None:
+            known = first()
+            table[known.policy] = known
+            if losses:
+                heads[known.loss] = known
         done |= _run_tasks(config, session.device, plans, autocast_cache, shares[0], session, known)
         for f in futures:
             done |= f.result()
@@ -588,6 +598,37 @@ def _run_tasks(
         if own:
             session.close()
     return out
+
+
+def _split(
+    tasks: list[Task], workers: int, session: Session, config: Config, plans: dict[str, Plan] | None, first: bool
+) -> list[list[Task]]:
+    """Tasks into `workers` shares of about equal work: tasks that run the same step (one is measured, the others
+    take its figures) stay together, this process also makes the configured estimate (`first`), and a worker spends
+    about a step's time starting up."""
+    if len(tasks) <= 2:
+        return [tasks]
+    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
+    configured = build_policy(config.policy)
+    groups: dict[Any, list[Task]] = {}
+    for name, loss in tasks:
+        policy = configured if name == configured.cfg.name else default_policy(name)
+        try:
+            if name == "auto":
+                policy.choose((plans or {})["auto"].treatments)  # type: ignore[attr-defined]
+            with _quiet_policy_notices():
+                policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
+            key: Any = (_same_run(resolve_plan(policy, session.module.adapter).describe(), fake_cpu), loss)
+        except PolicyError:
+            key = (name, loss)  # refused: no step, nearly free
+        groups.setdefault(key, []).append((name, loss))
+    shares: list[list[Task]] = [[] for _ in range(workers)]
+    load = [1.0 if first else 0.0] + [1.0] * (workers - 1)
+    for group in groups.values():
+        i = min(range(workers), key=lambda k: load[k])
+        shares[i] += group
+        load[i] += 1.0
+    return [s for s in shares if s] if shares[0] else [tasks]
 
 
 def _same_run(plan: str, fake_cpu: bool) -> str:
@@ -863,18 +904,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             if loss_name and loss_name != config.loss.name:
                 config.loss = replace(config.loss, name=loss_name)
         session = open_session(config, device, args.autocast_cache)
-        with _quiet_policy_notices():
-            est = measure(session, policy)  # a policy this model refuses fails here, one line
+        opened = session
+
+        def configured() -> Estimate:
+            with _quiet_policy_notices():
+                return measure(opened, policy)  # a policy this model refuses fails here, one line
+
         table, losses = estimate_tables(
             config,
             device,
             plans,
             args.autocast_cache,
             session=session,
-            known=est,
             workers=min(2, os.cpu_count() or 1),
             policies=args.policies == "all",
+            first=configured,
         )
+        est = table[policy.cfg.name]
+        assert isinstance(est, Estimate)
     except Exception as e:
         line = describe_user_error(e)
         if line is None:

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from trainer import metrics as M
+from trainer.loss import LOSSES
 from trainer.policies import POLICIES
 
 STATUS_ORDER = ("completed", "oom", "error", "interrupted", "missing")
@@ -239,7 +240,7 @@ def sort_key(job: Job) -> tuple[Any, ...]:
     return (
         _rank(STATUS_ORDER, job.status),
         _rank(tuple(POLICIES), job.policy),
-        job.loss or "",
+        _rank(LOSSES, job.loss),
         -(job.batch_size or 0),  # the largest micro-batch (fewest accumulation steps) first
         job.accum or 0,
         job.precision or "",

@@ -261,6 +261,12 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
     adapter = adapter_for(model)
     policy.check(adapter.n_layer, adapter.attention)
     plan = resolve_plan(policy, adapter)
+    wanted = policy.plan(adapter.n_layer).treatments
+    if not adapter.has_eager_path and any(policy.treatment_policy(t).recomputes_core for t in wanted):
+        raise PolicyError(
+            f"policy {policy.cfg.name}: {type(model).__name__} has no eager attention core to recompute (it runs "
+            "only fused kernels); choose op_sac or full for this model"
+        )
     remove_policy(model)
     install_plan(adapter, plan, policy)
     model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
