@@ -37,7 +37,10 @@ from trainer.policies import POLICIES, build_policy, policy_params
 from trainer.run import train
 from trainer.schema import validate
 
-ESTIMATE_TOLERANCE = 0.005
+ESTIMATE_TOLERANCE = 0.005  # the contract, relative
+# What is observed on these shapes: the run holds 8 bytes more (one of Lightning's scalars). An absolute bound as well,
+# so that a byte-level slip in modelling Lightning's step (e.g. its loader's read-ahead batch, 768 B here) is caught.
+ESTIMATE_SLACK_BYTES = 64
 
 # The four families at test size (each at least 2 layers, so every policy's conf defaults fit).
 MODELS = {
@@ -92,6 +95,7 @@ def test_estimate_equals_a_training_run(
     ):
         error = estimated / run - 1
         assert abs(error) <= ESTIMATE_TOLERANCE, f"{what}: estimated {estimated} B, the run {run:.0f} B ({error:+.3%})"
+        assert abs(estimated - run) <= ESTIMATE_SLACK_BYTES, f"{what}: estimated {estimated} B, the run {run:.0f} B"
 
 
 def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]],
