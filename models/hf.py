@@ -70,7 +70,12 @@ def _ckptlab_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
 
 def register_attention() -> None:
     transformers = _transformers()
+    from transformers.masking_utils import eager_mask
+
     transformers.AttentionInterface.register(ATTENTION_NAME, _ckptlab_eager)
+    # The mask too: transformers builds no mask at all for an attention name its mask registry does not know, and
+    # the eager core would then attend to later tokens. The core is HF's eager one, so its mask is HF's eager mask.
+    transformers.AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
 def resolve(name_or_path: str) -> tuple[str, bool]:

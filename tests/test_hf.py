@@ -57,6 +57,25 @@ def test_dropout_override_sets_every_probability(hf_models: dict[str, Path]) -> 
     assert llama.config.attention_dropout == 0.1
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_the_seamed_eager_core_computes_what_hf_does(hf_models: dict[str, Path], family: str) -> None:
+    """The seam's attention is HF's own: causal (a later token changes no earlier logit) and equal to HF's eager
+    and SDPA implementations on the same weights."""
+    import transformers
+
+    ours = load_causal_lm(str(hf_models[family]), attention="eager", dropout=0.0).eval()
+    idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    later = idx.clone()
+    later[:, -1] = (later[:, -1] + 1) % 320
+    with torch.no_grad():
+        logits = ours(input_ids=idx).logits
+        assert torch.equal(ours(input_ids=later).logits[:, :-1], logits[:, :-1])
+        for impl in ("eager", "sdpa"):
+            hf = transformers.AutoModelForCausalLM.from_config(ours.config, attn_implementation=impl).eval()
+            hf.load_state_dict(ours.state_dict())
+            torch.testing.assert_close(hf(input_ids=idx).logits, logits, rtol=1e-5, atol=1e-5)
+
+
 def test_eager_attention_runs_the_seam_and_sdpa_does_not(hf_models: dict[str, Path]) -> None:
     from models.hf import WRAPPER_ATTR
 
