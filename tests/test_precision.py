@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import SMALL, run_cli
-from trainer import precision
+from trainer import precision, step
+from trainer.module import DecoderModule
 from trainer.run import preflight, train
 from trainer.schema import validate
 
@@ -72,3 +74,38 @@ def test_the_cli_says_which_precision_it_chose(tmp_path: Path) -> None:
     chosen = json.loads((tmp_path / "run" / "summary.json").read_text())["precision"]
     assert chosen in ("bf16-mixed", "32-true")
     assert f"precision=auto → {chosen}: this CPU" in r.stdout + r.stderr
+
+
+def _fp16_step(init_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float]:
+    """One bare_step under Lightning's 16-mixed plugin (its GradScaler, on CPU) from a fixed tiny GPT; returns the
+    weights before and after, the gradients the optimizer step saw, and the scale afterwards."""
+    torch.manual_seed(0)
+    shape = {"family": "gpt", "block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 2, "dropout": 0.0}
+    module = DecoderModule({**shape, "attention": "eager"}, "none", vocab_size=64)
+    module.train()
+    opt, sched = step.optimizers_of(module)
+    plugin = precision.plugin("16-mixed", "cpu")
+    plugin.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+    before = [p.detach().clone() for p in module.parameters()]
+    seen: list[torch.Tensor] = []
+    step.bare_step(module, [batch], opt, sched, plugin,
+                   before_update=lambda: seen.extend(p.grad.clone() for p in module.parameters()))  # fmt: skip
+    return before, [p.detach() for p in module.parameters()], seen, plugin.scaler.get_scale()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # the skipped step
+def test_16_mixed_scales_the_loss_and_skips_a_step_whose_gradients_overflow() -> None:
+    """Lightning's 16-mixed runs GradScaler: the backward on the scaled loss, the gradients unscaled before clipping,
+    the step skipped on inf and the scale backed off. bare_step (the estimator's and planner's model of it) too."""
+    before, after, grads, scale = _fp16_step(init_scale=2.0**8)
+    _, _, reference, _ = _fp16_step(init_scale=1.0)  # unscaled: the gradients the optimizer must see
+    assert scale == 2.0**8  # no overflow: kept
+    for a, b in zip(grads, reference, strict=True):  # equal up to fp16 rounding (unscaled, they'd be 256× too big)
+        assert (a - b).norm() <= 2e-3 * b.norm()
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    before, after, grads, scale = _fp16_step(init_scale=2.0**60)  # the fp16 backward overflows
+    assert not all(bool(g.isfinite().all()) for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # step skipped
+    assert scale == 2.0**59  # backed off

@@ -291,6 +291,9 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
                      "runs Lightning's, with it off")  # fmt: skip
     elif chosen.endswith("-mixed"):
         notes.append("autocast weight cache off, as train.py runs it (Lightning's MixedPrecision)")
+    if getattr(plugin, "scaler", None) is not None:
+        plugin.scaler = None  # its step reads found_inf with .item(), which a fake tensor has no value for
+        notes.append("precision=16-mixed: GradScaler's scale and inf-check scalars (a few bytes) left out")
     with fake, rules, _real_semantics(config), torch.device(fake_device):
         torch.manual_seed(config.seed)
         module = DecoderModule(

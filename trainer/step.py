@@ -175,6 +175,7 @@ def bare_step(
     """
     accum = len(batches)
     params = [p for p in module.parameters() if p.requires_grad]
+    scaler = getattr(precision_plugin, "scaler", None)  # 16-mixed: the plugin's GradScaler, used as Lightning does
     losses = []
     ahead: tuple[torch.Tensor, ...] | None = None  # the batch the fetcher read ahead, inside this step
     for i, batch in enumerate(batches):
@@ -194,11 +195,13 @@ def bare_step(
             optimizer.zero_grad(set_to_none=True)
             if meter is not None:
                 meter.phase(HEAD)  # its backward starts with the head's
-        closure_loss.backward()
+        (closure_loss if scaler is None else scaler.scale(closure_loss)).backward()
         del closure_loss
         if meter is not None and i < accum - 1:
             meter.close_window(module)  # on_train_batch_end of the first micro-batch
             meter.phase(LATER)
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # MixedPrecision.optimizer_step: unscaled before the hook and clipping
     if meter is not None:
         meter.close_window(module)  # on_before_optimizer_step
         meter.phase(OPTIMIZER)
@@ -209,7 +212,11 @@ def bare_step(
         torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # the numeric guard's gradient norm
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped on inf/NaN gradients
+        scaler.update()
     if scheduler is not None:
         scheduler.step()
     return torch.stack(losses).sum()
