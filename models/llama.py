@@ -232,9 +232,7 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         return self.model.norm(x)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, hidden_only: bool = False
-    ) -> Any:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, hidden_only: bool = False) -> Any:
         """(logits, loss) — or, with `hidden_only`, the final hidden states alone, for a loss head of its own (a
         module call, so hooks on the model, FSDP2's among them, run around it)."""
         if hidden_only:

@@ -306,4 +306,3 @@ def test_cli_does_not_fit_names_the_policies_that_do(capsys: pytest.CaptureFixtu
     verdict = next(line for line in out.splitlines() if line.startswith("policy=none"))
     assert "does not fit in 16.0 MiB" in verdict and "policies that fit: " in verdict
     assert "full" in verdict.split("policies that fit: ")[1] and "selective" not in verdict.split(": ")[-1]
-

@@ -239,6 +239,7 @@ def test_every_family_every_policy_equals_none_bitwise(family: str, case: str, h
 
 def test_a_group_recomputes_what_its_layers_saved(hf_models: dict[str, Any]) -> None:
     """A grouped checkpoint on an HF model really is one region: it keeps only the group's input."""
+
     def peak(policy: str) -> int:
         model = family_model("hf-llama", hf_models)
         apply_policy(model, policy)

@@ -94,8 +94,10 @@ class CudaKernelRules(contextlib.ContextDecorator):
 
         def fp32_on_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
             def rule(input: torch.Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
-                if dtype is None and input.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(
-                    input.device.type
+                if (
+                    dtype is None
+                    and input.dtype in (torch.bfloat16, torch.float16)
+                    and torch.is_autocast_enabled(input.device.type)
                 ):
                     dtype = torch.float32
                 return fn(input, dim=dim, dtype=dtype)

@@ -466,6 +466,9 @@ def _run_block(
     return out
 
 
+FAKE_MS_NOTE = "fake tensors: each 'ms' is a GFLOP (FLOPs at 1 TFLOP/s), a ranking by compute, not a time"
+
+
 def profile(
     model: nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
@@ -556,8 +559,7 @@ def profile(
             rest_ms=rest["ms"],
             opt_ms=opt["ms"],
             loss=name,
-            notes=["fake tensors: each 'ms' is a GFLOP (FLOPs at 1 TFLOP/s), a ranking by compute, not a time"]
-            if fake else [],  # fmt: skip
+            notes=[FAKE_MS_NOTE] if fake else [],
         )
         for name, rest in rests.items()
     }
@@ -1311,9 +1313,7 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
     )
 
 
-def plan_for_config(
-    config: Any, device: torch.device | str | None = None, fake: bool = False
-) -> tuple[Plan, str, str]:
+def plan_for_config(config: Any, device: torch.device | str | None = None, fake: bool = False) -> tuple[Plan, str, str]:
     """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan, its loss head and its
     explanation.
 

@@ -63,8 +63,7 @@ def emulation_warning(precision: str, device_type: str) -> str | None:
     if native:
         return None
     return (
-        f"precision={precision} on this CPU: {why}; expect steps {EMULATED_BF16_SLOWDOWN}; "
-        "precision=auto picks 32-true"
+        f"precision={precision} on this CPU: {why}; expect steps {EMULATED_BF16_SLOWDOWN}; precision=auto picks 32-true"
     )
 
 
