@@ -63,7 +63,9 @@ class SelectiveRecompute(Policy):
 
 
 # torchtitan's default idea: keep what is expensive to recompute (matmuls, attention kernels), recompute the
-# cheap pointwise ops. Names are aten packets; every overload of a named packet is saved.
+# cheap pointwise ops. Names are aten packets; every overload of a named packet is saved. Eager attention's two
+# batched matmuls (aten.bmm: QKᵀ and scores·V) are not in the list, so under eager they are recomputed; add
+# "aten.bmm" to policy.save_ops to keep them (and the B·H·T² scores they make).
 DEFAULT_SAC_SAVE_OPS = [
     "aten.mm",
     "aten.addmm",
