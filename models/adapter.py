@@ -75,15 +75,9 @@ class DecoderAdapter:
 
     @property
     def tied_head(self) -> bool:
-        emb = self.embedding
-        return emb is not None and self.head.weight is emb.weight
-
-    @property
-    def embedding(self) -> nn.Embedding | None:
-        """The token embedding (the first nn.Embedding whose rows are the vocabulary)."""
-        vocab = self.head.weight.shape[0]
-        embeddings = (m for m in self.model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
-        return next(embeddings, None)
+        """Is the head's weight an embedding's (the token embedding's, tied)? By identity, not by shape."""
+        weight = self.head.weight
+        return any(isinstance(m, nn.Embedding) and m.weight is weight for m in self.model.modules())
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

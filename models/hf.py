@@ -242,10 +242,6 @@ class HFAdapter(DecoderAdapter):
         return self.model.get_output_embeddings()
 
     @property
-    def embedding(self) -> nn.Embedding | None:
-        return self.model.get_input_embeddings()
-
-    @property
     def attention(self) -> str:
         return "eager" if self.model.config._attn_implementation == ATTENTION_NAME else "sdpa"
 
