@@ -9,6 +9,7 @@ import yaml
 
 from tests.conftest import CONF, SMALL, run_cli
 from trainer.policies import POLICIES, build_policy
+from trainer.rundir import discard_run_dir
 from trainer.schema import Config, ConfigError, validate
 
 POLICY_FILES = sorted(p.stem for p in (CONF / "policy").glob("*.yaml"))
@@ -112,6 +113,20 @@ def test_cli_bad_input_is_one_line(tmp_path: Path, args: list[str], fragment: st
     assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
     assert "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists(), "a refused run must leave nothing behind"
+
+
+def test_a_refused_run_takes_the_empty_folders_hydra_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "2026-12-01" / "earlier").mkdir(parents=True)  # another run's folder: kept
+    for name in ("12-00-00_full", "12-00-01_none"):
+        (tmp_path / "runs" / "2026-12-02" / name / ".hydra").mkdir(parents=True)
+        (tmp_path / "runs" / "2026-12-02" / name / "train.log").write_text("")
+    discard_run_dir(Path("runs/2026-12-02/12-00-00_full"))
+    assert [p.name for p in (tmp_path / "runs" / "2026-12-02").iterdir()] == ["12-00-01_none"]  # not empty: kept
+    discard_run_dir(Path("runs/2026-12-02/12-00-01_none"))
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["2026-12-01"]
+    discard_run_dir(Path("runs/2026-12-01/earlier"))  # an empty folder is also nothing but Hydra's
+    assert list(tmp_path.iterdir()) == []  # up to the working directory, which stays
 
 
 @pytest.mark.slow

@@ -19,6 +19,13 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def discard_run_dir(run_dir: Path) -> None:
-    """A run refused before it started leaves nothing behind but Hydra's own files: remove those too."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    """A run refused before it started leaves nothing behind but Hydra's own files: remove those too, and the folders
+    Hydra made for it that are now empty (runs/<date>/), up to the working directory."""
+    if not (run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+            break
+        parent.rmdir()
