@@ -13,7 +13,11 @@ LightningModule use. Nothing outside models/ names a model class or reaches into
     adapter.attention              "eager" | "sdpa": is there a T×T score tensor for `selective` to drop?
     adapter.wrap_core_attention(i, wrapper)
                                    the attention seam: layer i's core attention (GQA key/value repeat, QKᵀ,
-                                   softmax, dropout, ·V) runs as wrapper(core, *args, **kwargs); None restores it
+                                   softmax, dropout, ·V) runs as wrapper(core, *args, **kwargs); None restores it.
+                                   A layer without attention (a hybrid model's state-space layer) has no seam.
+    adapter.layers_return_hidden_only
+                                   False where a layer returns more than the hidden states (e.g. router state for
+                                   the next layer): grouped policies (every_k, sqrt) refuse such a model
     adapter.describe()             family and shape, for summaries and the estimator's header
 
 Two kinds of model meet it: this project's own decoders (models/gpt.py, models/llama.py: `layers`,
@@ -60,6 +64,12 @@ class DecoderAdapter:
     @property
     def has_eager_path(self) -> bool:
         """Can this model run an explicit (T×T) attention core at all, whatever it is configured to run?"""
+        return True
+
+    @property
+    def layers_return_hidden_only(self) -> bool:
+        """Does every layer return the hidden states alone? Grouped policies (several blocks as one region) pass
+        the stream through the earlier layers of a group, which is only right when nothing else flows between them."""
         return True
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:

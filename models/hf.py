@@ -17,8 +17,12 @@ touching the model.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import inspect
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -245,19 +249,29 @@ class HFAdapter(DecoderAdapter):
     def attention(self) -> str:
         return "eager" if self.model.config._attn_implementation == ATTENTION_NAME else "sdpa"
 
-    def _attention_module(self, i: int) -> nn.Module:
+    def _attention_module(self, i: int) -> nn.Module | None:
+        """Layer i's attention (the module with `config` and `is_causal`), or None: a hybrid model's state-space
+        layer (Jamba's Mamba layers) has none."""
         layer = self.layers[i]
         for m in layer.modules():
             if m is not layer and hasattr(m, "is_causal") and hasattr(m, "config"):
                 return m
-        raise HFModelError(f"{type(layer).__name__}: no attention module (one with `config` and `is_causal`) found")
+        return None
 
     @property
     def has_eager_path(self) -> bool:
-        return _eager_function(self._attention_module(0)) is not None
+        modules = (self._attention_module(i) for i in range(self.n_layer))
+        first = next((m for m in modules if m is not None), None)
+        return first is not None and _eager_function(first) is not None
+
+    @property
+    def layers_return_hidden_only(self) -> bool:
+        return not any(_returns_a_tuple(cls) for cls in {type(layer) for layer in self.layers})
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         module = self._attention_module(i)
+        if module is None:  # no attention in this layer: no core to recompute
+            return
         if wrapper is None:
             module.__dict__.pop(WRAPPER_ATTR, None)
         else:
@@ -280,6 +294,17 @@ class HFAdapter(DecoderAdapter):
             "tied_head": self.tied_head,
             "params": self.num_parameters(),
         }
+
+
+@functools.cache
+def _returns_a_tuple(layer_class: type) -> bool:
+    """Does this decoder layer's forward return a tuple literal (`return hidden_states, router_state`)? Read from its
+    source, since transformers' return annotations say `tuple` for many layers that return the tensor alone."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(layer_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False  # no source to read: the group runner's own check catches a tuple at the first step
+    return any(isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) for node in ast.walk(tree))
 
 
 def max_positions(config: Any) -> int | None:

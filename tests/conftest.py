@@ -99,12 +99,24 @@ def hf_configs() -> dict[str, object]:
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, attention_dropout=0.1, **common,
         ),
+        # a hybrid: Mamba layers (no attention, so no core to recompute) between attention layers
+        "jamba": transformers.JambaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=8, mamba_d_state=4, mamba_dt_rank=4,
+            use_mamba_kernels=False, attention_dropout=0.1, **common,
+        ),
+        # its layers hand router state to the next layer (`return hidden_states, prev_router_hidden_states`)
+        "zaya": transformers.ZayaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=128, **common,
+        ),
     }  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{"llama" | "gpt2" | "qwen2": a folder with config.json and a tokenizer (no weights: pretrained=false)}."""
+    """{"llama" | "gpt2" | "qwen2" | "jamba" | "zaya": a folder with config.json and a tokenizer (no weights:
+    pretrained=false)}."""
     root = tmp_path_factory.mktemp("hf-models")
     tokenizer = _tiny_tokenizer()
     out = {}

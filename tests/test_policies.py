@@ -188,7 +188,7 @@ def test_loss_and_every_gradient_equal_none_bitwise(
 # (fp32, dropout where the model has it, eager attention so selective recomputes, accum 2).
 # ----------------------------------------------------------------------------------------------------
 
-FAMILIES = ("llama", "hf-llama", "hf-gpt2")
+FAMILIES = ("llama", "hf-llama", "hf-gpt2", "hf-jamba")  # jamba: a hybrid, half its layers without attention
 _family_models: dict[str, Any] = {}
 
 
@@ -235,6 +235,22 @@ def test_every_family_every_policy_equals_none_bitwise(family: str, case: str, h
     assert grads.keys() == ref[1].keys() and len(grads) == len(list(model.parameters()))
     differ = [n for n in grads if not torch.equal(grads[n], ref[1][n])]
     assert not differ, f"{family} under {case}: gradients differ from none in {differ[:3]}"
+
+
+def test_layers_that_hand_more_than_the_hidden_states_on_refuse_grouping(hf_models: dict[str, Any]) -> None:
+    """Zaya's layers return (hidden, router state) and the next layer reads the router state: a group's earlier
+    layers cannot pass the stream through, so every_k and sqrt are refused in one line; per-layer policies run."""
+    model = family_model("hf-zaya", hf_models)
+    ref = family_step(copy.deepcopy(model))
+    apply_policy(model, "full")
+    for grouped in ("sqrt", {"name": "every_k", "k": 2}):
+        with pytest.raises(PolicyError, match=r"return more than the hidden states.*choose full") as e:
+            apply_policy(model, grouped)
+        assert "\n" not in str(e.value)
+        assert model.activation_policy.cfg.name == "full"  # the installed one stays
+    losses, grads = family_step(model)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref[0], strict=True))
+    assert all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
 
 
 def test_a_group_recomputes_what_its_layers_saved(hf_models: dict[str, Any]) -> None:

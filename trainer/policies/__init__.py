@@ -267,6 +267,11 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
             f"policy {policy.cfg.name}: {type(model).__name__} has no eager attention core to recompute (it runs "
             "only fused kernels); choose op_sac or full for this model"
         )
+    if any(seg.group for seg in plan.segments) and not adapter.layers_return_hidden_only:
+        raise PolicyError(
+            f"policy {policy.cfg.name}: {type(model).__name__}'s layers return more than the hidden states, so "
+            "blocks cannot be grouped into one region; choose full, first_k or per_block for this model"
+        )
     remove_policy(model)
     install_plan(adapter, plan, policy)
     model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
@@ -345,6 +350,11 @@ class _GroupRunner:
             try:
                 for j, (a, kw) in zip(range(self.seg.start, self.seg.stop), calls, strict=True):
                     x = (last if j == i else layers[j])(x, *a, **kw)
+                    if not isinstance(x, torch.Tensor):
+                        raise PolicyError(
+                            f"policy {self.tp.cfg.name}: {type(layers[j]).__name__} returns {type(x).__name__}, not "
+                            "the hidden states alone, so its blocks cannot be grouped; choose full or per_block"
+                        )
             finally:
                 self.inside = False
             return x
