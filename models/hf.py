@@ -82,9 +82,9 @@ def register_attention() -> None:
     transformers.AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
-def resolve(name_or_path: str) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, local_files_only), or a one-line HFModelError: a folder must hold
-    config.json; a hub id offline must be in the local cache (no retry loop)."""
+def resolve(name_or_path: str) -> tuple[str, bool, str]:
+    """(what to pass to from_pretrained, local_files_only, why local only), or a one-line HFModelError: a folder must
+    hold config.json; a hub id offline must be in the local cache (no retry loop)."""
     path = Path(name_or_path).expanduser()
     if path.exists() or name_or_path.startswith((".", "/", "~")):
         if not path.is_dir():
@@ -95,25 +95,25 @@ def resolve(name_or_path: str) -> tuple[str, bool]:
                 f"model.name_or_path={name_or_path}: the folder has no config.json; point it at a saved Hugging "
                 "Face model (save_pretrained) or give a hub id"
             )
-        return str(path), True
+        return str(path), True, "a local folder"
     if hub.offline_requested():
-        return name_or_path, True
+        return name_or_path, True, "offline mode is on (HF_HUB_OFFLINE)"
     ok, endpoint = hub.reachable()
     if not ok:
-        return name_or_path, True  # try the cache; the caller's error names the unreachable hub
-    return name_or_path, False
+        return name_or_path, True, f"hub {endpoint} is unreachable"  # try the cache
+    return name_or_path, False, ""
 
 
 def load_config(name_or_path: str) -> Any:
     transformers = _transformers()
-    where, local_only = resolve(name_or_path)
+    where, local_only, why = resolve(name_or_path)
     try:
         config = transformers.AutoConfig.from_pretrained(where, local_files_only=local_only)
     except Exception as e:
         if local_only and not Path(where).is_dir():
             raise HFModelError(
-                f"cannot load hub model {name_or_path!r} offline and no cached copy: {_one_line(e, 160)}; run once "
-                "online to cache it, or give model.name_or_path=<a local folder with config.json>"
+                f"cannot load hub model {name_or_path!r} offline and no cached copy ({why}): {_one_line(e, 120)}; "
+                "run once online to cache it, or give model.name_or_path=<a local folder with config.json>"
             ) from None
         raise HFModelError(f"model.name_or_path={name_or_path}: cannot read its config ({_one_line(e, 160)})") from None
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
@@ -144,7 +144,7 @@ def load_causal_lm(
                 setattr(config, key, float(dropout))
     impl = ATTENTION_NAME if attention == "eager" else "sdpa"
     if pretrained:
-        where, local_only = resolve(name_or_path)
+        where, local_only, _ = resolve(name_or_path)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 where, config=config, attn_implementation=impl, local_files_only=local_only, dtype=torch.float32
@@ -194,7 +194,7 @@ def as_on_real_tensors() -> Iterator[None]:
 def load_tokenizer(name_or_path: str) -> Any:
     """The model's own tokenizer (data.tokenizer=model), or a one-line HFModelError when it has none."""
     transformers = _transformers()
-    where, local_only = resolve(name_or_path)
+    where, local_only, _ = resolve(name_or_path)
     try:
         return transformers.AutoTokenizer.from_pretrained(where, local_files_only=local_only)
     except Exception as e:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
@@ -59,14 +60,31 @@ def forced_offline() -> Iterator[None]:
             datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved_ds
 
 
+_probed: dict[tuple[str, int], bool] = {}  # (host, port) -> reachable: one probe per process and address
+
+
 def reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
-    """TCP-connect to the hub endpoint. Run in a thread because name resolution has no timeout of its own;
-    without this a dead resolver would stall for tens of seconds."""
+    """(can a TCP connection be made, what was probed): the hub endpoint, or the proxy the environment routes it
+    through (HTTPS_PROXY / HTTP_PROXY, unless NO_PROXY names the host). Run in a thread because name resolution has
+    no timeout of its own; without this a dead resolver would stall for tens of seconds. One probe per address and
+    process: a model's config, weights and tokenizer ask in turn."""
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
     host = url.hostname or "huggingface.co"
     port = url.port or (80 if url.scheme == "http" else 443)
+    where = f"{host}:{port}"
+    proxy = urllib.request.getproxies().get(url.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = p.hostname or host, p.port or (443 if p.scheme == "https" else 80)
+        where = f"{where} via proxy {host}:{port}"
+    if (host, port) not in _probed:
+        _probed[host, port] = _connects(host, port, timeout)
+    return _probed[host, port], where
+
+
+def _connects(host: str, port: int, timeout: float) -> bool:
     result: dict[str, bool] = {}
 
     def probe() -> None:
@@ -79,4 +97,4 @@ def reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[bool, str]:
     t = threading.Thread(target=probe, daemon=True)
     t.start()
     t.join(timeout + 0.5)
-    return result.get("ok", False), f"{host}:{port}"
+    return result.get("ok", False)

@@ -107,7 +107,54 @@ def test_a_folder_without_config_json(tmp_path: Path) -> None:
 def test_a_hub_id_offline_fails_at_once() -> None:
     with pytest.raises(HFModelError) as e:
         load_causal_lm("surely-not/a-cached-model")
-    assert "offline and no cached copy" in str(e.value) and "\n" not in str(e.value)
+    assert "offline and no cached copy (offline mode is on (HF_HUB_OFFLINE))" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_hub_is_probed_once_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hub_constants
+
+    from models import hub
+
+    port = _closed_port()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "offline_requested", lambda: False)
+    monkeypatch.setattr(hub_constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(hub, "_probed", {})
+    probes: list[tuple[str, int]] = []
+    connects = hub._connects
+    monkeypatch.setattr(hub, "_connects", lambda h, p, t: probes.append((h, p)) or connects(h, p, t))
+    for _ in range(2):
+        with pytest.raises(HFModelError, match=rf"no cached copy \(hub 127.0.0.1:{port} is unreachable\)"):
+            load_causal_lm("surely-not/a-cached-model")
+    assert probes == [("127.0.0.1", port)]  # config, then again: one probe
+
+
+def test_the_probe_goes_where_the_proxy_settings_send_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hub_constants
+
+    from models import hub
+
+    port = _closed_port()
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "https://huggingface.co")
+    monkeypatch.setattr(hub, "_probed", {})
+    for name in ("HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+    assert hub.reachable() == (False, f"huggingface.co:443 via proxy 127.0.0.1:{port}")
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    probes: list[tuple[str, int]] = []
+    monkeypatch.setattr(hub, "_connects", lambda h, p, t: probes.append((h, p)) or False)
+    assert hub.reachable() == (False, "huggingface.co:443") and probes == [("huggingface.co", 443)]
 
 
 def test_a_model_that_is_not_a_causal_lm(tmp_path: Path) -> None:
