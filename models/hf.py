@@ -211,6 +211,9 @@ class HFAdapter(DecoderAdapter):
         super().__init__(model)
         self.base = model.base_model
         self._layers = self._find_layers()
+        if model.config._attn_implementation == "eager":  # HF's own eager, e.g. a model built outside load_causal_lm
+            register_attention()  # the seam runs that same eager function, so the logits are unchanged (tested)
+            model.set_attn_implementation(ATTENTION_NAME)
 
     def _find_layers(self) -> nn.ModuleList:
         units = set(getattr(self.model, "_no_split_modules", None) or [])
@@ -291,6 +294,7 @@ class HFAdapter(DecoderAdapter):
             "vocab_size": self.head.weight.shape[0],
             "block_size": max_positions(c),
             "attention": self.attention,
+            "attn_implementation": c._attn_implementation,  # e.g. sdpa or flash_attention_2 behind "sdpa"
             "tied_head": self.tied_head,
             "params": self.num_parameters(),
         }

@@ -76,6 +76,21 @@ def test_the_seamed_eager_core_computes_what_hf_does(hf_models: dict[str, Path],
             torch.testing.assert_close(hf(input_ids=idx).logits, logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_built_with_hfs_own_eager_gets_the_seam_and_the_same_logits(hf_models: dict[str, Path]) -> None:
+    """An HF model made outside load_causal_lm with attn_implementation="eager" has T×T scores: the adapter says
+    eager and moves it onto the seam (HF's eager function), so selective recomputes them; the logits are unchanged."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_models["llama"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=idx).logits
+        adapter = adapter_for(model)
+        assert adapter.attention == "eager" and adapter.describe()["attn_implementation"] == "ckptlab_eager"
+        assert torch.equal(model(input_ids=idx).logits, before)
+
+
 def test_eager_attention_runs_the_seam_and_sdpa_does_not(hf_models: dict[str, Path]) -> None:
     from models.hf import WRAPPER_ATTR
 
