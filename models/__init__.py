@@ -10,6 +10,7 @@ Nothing here imports from trainer/ or callbacks/: the config node is read by fie
 
 from __future__ import annotations
 
+import copy
 from dataclasses import fields
 from typing import Any
 
@@ -42,8 +43,8 @@ def build_model(cfg: Any, vocab_size: int | None = None, hf_config: Any = None) 
     if cfg.family == "hf":
         from models.hf import load_causal_lm, load_config
 
-        config = hf_config if hf_config is not None else load_config(str(cfg.name_or_path))
-        if cfg.vocab_size is not None:
+        config = copy.deepcopy(hf_config) if hf_config is not None else load_config(str(cfg.name_or_path))
+        if cfg.vocab_size is not None:  # on a copy: the caller's loaded config stays as it was read
             config.vocab_size = cfg.vocab_size
         return load_causal_lm(str(cfg.name_or_path), cfg.pretrained, cfg.attention, cfg.dropout, config=config)
     raise ValueError(f"model.family={cfg.family!r}; choose one of {', '.join(FAMILIES)}")

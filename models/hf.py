@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import functools
 import inspect
 import sys
@@ -136,11 +137,11 @@ def load_causal_lm(
     the caller's torch RNG). `dropout` (None: the config's) sets every dropout probability the config names."""
     transformers = _transformers()
     register_attention()
-    config = config if config is not None else load_config(name_or_path)
-    if dropout is not None:
-        for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout",
-                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout"):  # fmt: skip
-            if isinstance(getattr(config, key, None), float):
+    config = copy.deepcopy(config) if config is not None else load_config(name_or_path)  # the caller's stays
+    if dropout is not None:  # every probability the config names: *dropout, *pdrop, *dropout_prob (0 may be an int)
+        for key, value in config.to_dict().items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and key.endswith(("dropout", "pdrop", "dropout_prob")) and hasattr(config, key):
                 setattr(config, key, float(dropout))
     impl = ATTENTION_NAME if attention == "eager" else "sdpa"
     if pretrained:

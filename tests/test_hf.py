@@ -55,6 +55,12 @@ def test_dropout_override_sets_every_probability(hf_models: dict[str, Path]) -> 
     assert (gpt2.config.attn_pdrop, gpt2.config.resid_pdrop, gpt2.config.embd_pdrop) == (0.0, 0.0, 0.0)
     llama = load_causal_lm(str(hf_models["llama"]))  # null: the config's own
     assert llama.config.attention_dropout == 0.1
+    import transformers
+
+    mine = transformers.AutoConfig.from_pretrained(hf_models["llama"])
+    mine.attention_dropout = 0  # an int zero counts too
+    assert load_causal_lm("", config=mine, dropout=0.2).config.attention_dropout == 0.2
+    assert mine.attention_dropout == 0  # the caller's config is not changed
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
