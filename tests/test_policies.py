@@ -608,6 +608,10 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
     none_end, none_peak, none_grads = step(plain)
     off_end, off_peak, off_grads = step(off)
     assert policy.offloader.bytes_offloaded > 0
+    kt = torch.randn(4, 8, 16, device="cuda").transpose(1, 2)  # a saved tensor that is not contiguous
+    packed = policy.offloader._pack(0, kt)
+    assert packed.host.stride() == kt.stride()
+    assert policy.offloader._unpack(0, packed).stride() == kt.stride()
     # Same kernels on the same values; a tolerance only because some CUDA backward kernels use atomics.
     for n in none_grads:
         torch.testing.assert_close(off_grads[n], none_grads[n], rtol=1e-5, atol=1e-6)

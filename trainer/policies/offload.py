@@ -48,7 +48,8 @@ class ActivationOffloader:
         d2h, _ = self._side_streams()
         d2h.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(d2h):
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            # Its strides too (a transposed weight view, a permuted head split): the tensor comes back as it went.
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
             # The allocator must not hand t's memory to a new tensor before the copy has read it.
             t.record_stream(d2h)
