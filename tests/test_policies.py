@@ -608,7 +608,7 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
     none_end, none_peak, none_grads = step(plain)
     off_end, off_peak, off_grads = step(off)
     assert policy.offloader.bytes_offloaded > 0
-    kt = torch.randn(4, 8, 16, device="cuda").transpose(1, 2)  # a saved tensor that is not contiguous
+    kt = torch.randn(8, 64, 64, device="cuda").transpose(1, 2)  # not contiguous, 128 KiB (above min_bytes)
     packed = policy.offloader._pack(0, kt)
     assert packed.host.stride() == kt.stride()
     assert policy.offloader._unpack(0, packed).stride() == kt.stride()
