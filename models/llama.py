@@ -217,9 +217,6 @@ class Llama(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""
         T = idx.size(1)

@@ -274,6 +274,7 @@ def test_cli_bad_override_is_one_line_exit_2() -> None:
         (["loss=bogus"], "loss"),
         (["loss=chunked", "loss.chunk_tokens=0"], "chunk_tokens=0"),
         (["loss=chunked", "loss.chunk_tokens=100000"], "larger than the micro-batch"),
+        (["model.vocab_size=100"], "smaller than the tokenizer's 256"),  # the run's rule: refused, not estimated
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:

@@ -81,7 +81,8 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     from trainer.module import DecoderModule
     from trainer.planner import config_device, default_optimizer, head_candidates, plan_model
     from trainer.policies import apply_policy, build_policy
-    from trainer.run import hf_config_for, vocab_for
+    from trainer.run import hf_config_for
+    from trainer.schema import vocab_for
 
     device = config_device(config)
     chosen, _ = precision_.resolve(config.precision, device.type)
@@ -89,6 +90,8 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     if tolerance is None:
         tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
     policy = build_policy(config.policy)
+    if config.model.family != "hf" or policy.cfg.name == "auto":  # refused before any data is read
+        policy.check(config.model.n_layer or 0, config.model.attention)  # (auto's budget needs no depth)
     hf_config = hf_config_for(config)
     data = TextDataModule(
         config.data,

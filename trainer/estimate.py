@@ -42,7 +42,7 @@ from trainer import precision as precision_
 from trainer import step as step_
 from trainer.loss import LOSSES, LossConfig
 from trainer.policies import POLICIES, Plan, Policy, PolicyError, apply_policy, build_policy, resolve_plan
-from trainer.schema import Config, ConfigError
+from trainer.schema import Config, ConfigError, vocab_for
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         from models.hf import load_config
 
         hf_config = load_config(str(config.model.name_or_path))
-    vocab = config.model.vocab_size or _tokenizer_vocab(config)
+    vocab = vocab_for(config, _tokenizer_vocab(config))
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
     world = sharded_world(config)

@@ -847,7 +847,7 @@ def _profile_optimizer(
 
 def budget_bytes(cfg: Any, device: torch.device | str) -> tuple[int, str]:
     """The configured budget in bytes and how it was given; a one-line PolicyError when it cannot be resolved."""
-    given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(cfg, k, None) is not None]
+    given = cfg.budgets_given  # AutoConfig's
     if len(given) != 1:
         raise PolicyError(
             "policy auto: give exactly one budget: policy.budget_mib=…, policy.budget_gb=… or "

@@ -42,7 +42,7 @@ from trainer.module import DecoderModule
 from trainer.policies import PolicyError, build_policy, policy_params
 from trainer.progress import sweep_progress
 from trainer.rundir import discard_run_dir, write_json_atomic
-from trainer.schema import Config, ConfigError, TrainerConfig, validate
+from trainer.schema import Config, ConfigError, TrainerConfig, validate, vocab_for
 
 log = logging.getLogger(__name__)
 # Lightning gives its logger a console handler of its own; under Hydra the root logger already prints and
@@ -246,17 +246,6 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
         discard_run_dir(run_dir)
         raise
     return run.fit(resume_from)
-
-
-def vocab_for(config: Config, tokenizer_vocab: int) -> int:
-    """The vocabulary a native model is built with; an HF model's own must cover the tokenizer's ids."""
-    v = config.model.vocab_size
-    if v is not None and v < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={v} is smaller than the tokenizer's {tokenizer_vocab}; "
-            "leave it null to take the tokenizer's size"
-        )
-    return tokenizer_vocab
 
 
 class Run:

@@ -242,3 +242,15 @@ def describe_user_error(e: BaseException) -> str | None:
     if isinstance(e, OSError) and e.filename:  # e.g. Hydra creating a run folder where it cannot
         return f"cannot write {e.filename}: {e.strerror}; pass hydra.run.dir=<a writable folder>"
     return None
+
+
+def vocab_for(config: Config, tokenizer_vocab: int) -> int:
+    """The vocabulary a native model is built with (model.vocab_size, else the tokenizer's): the one rule the run,
+    trainer.check and the estimator share. It must cover the tokenizer's ids; an HF model keeps its own."""
+    v = config.model.vocab_size
+    if v is not None and v < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={v} is smaller than the tokenizer's {tokenizer_vocab}; "
+            "leave it null to take the tokenizer's size"
+        )
+    return tokenizer_vocab if v is None else v

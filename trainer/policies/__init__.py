@@ -87,12 +87,6 @@ class Plan:
         """One treatment per block."""
         return tuple(s.treatment for s in self.segments for _ in range(s.start, s.stop))
 
-    def treatment_of(self, block: int) -> str:
-        for s in self.segments:
-            if s.start <= block < s.stop:
-                return s.treatment
-        raise IndexError(block)
-
     def replace_treatments(self, change: Callable[[str], str]) -> Plan:
         return Plan(tuple(Segment(s.start, s.stop, change(s.treatment)) for s in self.segments))
 
@@ -245,10 +239,12 @@ def policy_params(policy: Policy) -> dict[str, Any]:
     return {f.name: getattr(policy.cfg, f.name) for f in fields(policy.cfg)}
 
 
-def resolve_plan(policy: Policy, adapter: DecoderAdapter) -> Plan:
-    """The policy's plan for this model, each treatment as it really runs here (`Policy.effective`)."""
+def resolve_plan(policy: Policy, adapter: DecoderAdapter, planned: Plan | None = None) -> Plan:
+    """The policy's plan for this model (or `planned`, the one it already made), each treatment as it really runs
+    here (`Policy.effective`)."""
     attention = adapter.attention
-    return policy.plan(adapter.n_layer).replace_treatments(lambda t: policy.treatment_policy(t).effective(attention))
+    planned = planned if planned is not None else policy.plan(adapter.n_layer)
+    return planned.replace_treatments(lambda t: policy.treatment_policy(t).effective(attention))
 
 
 def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig | str) -> Policy:
@@ -260,8 +256,9 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
     policy = cfg if isinstance(cfg, Policy) else build_policy(cfg)
     adapter = adapter_for(model)
     policy.check(adapter.n_layer, adapter.attention)
-    plan = resolve_plan(policy, adapter)
-    wanted = policy.plan(adapter.n_layer).treatments
+    planned = policy.plan(adapter.n_layer)
+    plan = resolve_plan(policy, adapter, planned)
+    wanted = planned.treatments
     if not adapter.has_eager_path and any(policy.treatment_policy(t).recomputes_core for t in wanted):
         raise PolicyError(
             f"policy {policy.cfg.name}: {type(model).__name__} has no eager attention core to recompute (it runs "

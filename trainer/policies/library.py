@@ -281,9 +281,15 @@ class AutoConfig(OpSacConfig, OffloadConfig):
     # The loss heads the planner may pick (conf/loss/): the configured one first; null: the configured one only.
     loss_candidates: list[str] | None = field(default_factory=lambda: ["chunked"])
 
+    BUDGET_KEYS = ("budget_mib", "budget_gb", "budget_fraction")
+
+    @property
+    def budgets_given(self) -> list[str]:
+        return [k for k in self.BUDGET_KEYS if getattr(self, k) is not None]
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self, k) is not None]
+        given = self.budgets_given
         if len(given) > 1:
             raise ValueError(
                 f"give exactly one of policy.budget_mib, policy.budget_gb, policy.budget_fraction "
@@ -327,8 +333,7 @@ class Auto(Policy):
         self.chosen = chosen
 
     def check(self, n_layer: int, attention: str) -> None:
-        given = [k for k in ("budget_mib", "budget_gb", "budget_fraction") if getattr(self.cfg, k) is not None]
-        if not given:
+        if not self.cfg.budgets_given:
             raise PolicyError(
                 "policy auto needs a budget: give one of policy.budget_mib=…, policy.budget_gb=… or "
                 "policy.budget_fraction=… (of the CUDA device's memory)"
