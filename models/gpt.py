@@ -51,7 +51,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
-        self.dropout = config.dropout
         self.attention = config.attention
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -76,7 +75,7 @@ class CausalSelfAttention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """QKᵀ → causal softmax → dropout → ·V. The unit Korthikanti et al. (2022) recompute selectively."""
         if self.attention == "sdpa":
-            p = self.dropout if self.training else 0.0
+            p = self.attn_dropout.p if self.training else 0.0  # one probability for both paths
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)

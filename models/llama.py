@@ -111,7 +111,6 @@ class Attention(nn.Module):
         super().__init__()
         assert config.n_kv_head is not None
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.dropout = config.dropout
         self.attention = config.attention
         self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
@@ -133,7 +132,7 @@ class Attention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """GQA repeat → QKᵀ → causal softmax → dropout → ·V: the unit `selective` recomputes."""
-        p = self.dropout if self.training else 0.0
+        p = self.attn_dropout.p if self.training else 0.0  # one probability for both paths
         if self.attention == "sdpa":  # the fused kernel shares each key/value head itself
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
         groups = self.n_head // self.n_kv_head
