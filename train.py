@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
         build_policy(config.policy)
         from trainer.run import train
 
-        summary = train(config, run_dir)
+        summary = train(config, run_dir, keep_refused=hydra_cfg.mode == RunMode.MULTIRUN)
     except Exception as e:
         if type(e).__name__ == "RunFailed":  # trainer.run's: the run started, summary.json records how it ended
             if hydra_cfg.mode == RunMode.MULTIRUN:  # one bad cell must not stop the sweep

@@ -364,6 +364,7 @@ def test_refusal_is_one_line_with_a_budget_and_a_micro_batch_that_fit(compose_cf
     with pytest.raises(PolicyError) as e2:
         train(cfg, tmp_path / "refused", callbacks=[AutoPlanCallback()])
     assert str(e2.value) == line
+    assert not (tmp_path / "refused").exists()  # its TensorBoard event file, opened before fit, went with it
 
 
 def test_allow_accum_halves_the_micro_batch_when_nothing_fits(compose_cfg: Any, tmp_path: Path) -> None:

@@ -344,3 +344,4 @@ def test_a_refused_cell_records_error_and_the_sweep_goes_on(tmp_path: Path) -> N
     assert statuses == {"0": "completed", "1": "error", "2": "completed"}
     refused = json.loads(next(sweep.glob("1_*/summary.json")).read_text())
     assert "policy.k=3 must be between 1 and model.n_layer=2" in refused["error"]
+    assert "policy.k=3" in next(sweep.glob("1_*/.hydra/overrides.yaml")).read_text()  # the report names the cell

@@ -208,10 +208,14 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
     return name
 
 
-def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None, keep_refused: bool = False
+) -> dict[str, Any]:
     """Train one configuration; returns the summary also written to `run_dir/summary.json`.
 
-    `callbacks` are added to the Trainer's own (tests and tools use them to look inside a run).
+    `callbacks` are added to the Trainer's own (tests and tools use them to look inside a run). A refused run
+    (one-line error) leaves no folder behind, unless `keep_refused` (a sweep's cell keeps its .hydra and log,
+    and records the refusal beside them).
     """
     run_dir = Path(run_dir)
     try:  # everything that can refuse the run, before anything is written
@@ -242,10 +246,11 @@ def train(cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] |
             hf_config=hf_config,
         )
         run = Run(config, run_dir, data, module, callbacks or [])
+        return run.fit(resume_from)  # policy=auto may still refuse here, at fit start, before a step is taken
     except USER_ERRORS:
-        discard_run_dir(run_dir)
+        if not keep_refused:
+            discard_run_dir(run_dir)
         raise
-    return run.fit(resume_from)
 
 
 class Run:

@@ -18,10 +18,15 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _disposable(name: str) -> bool:
+    """Hydra's files, or the TensorBoard event file a run refused at fit start (policy=auto) had opened."""
+    return name in HYDRA_FILES or name.startswith("events.out.tfevents.")
+
+
 def discard_run_dir(run_dir: Path) -> None:
     """A run refused before it started leaves nothing behind but Hydra's own files: remove those too, and the folders
     Hydra made for it that are now empty (runs/<date>/), up to the working directory."""
-    if not (run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES):
+    if not (run_dir.is_dir() and all(_disposable(p.name) for p in run_dir.iterdir())):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     cwd = Path.cwd().resolve()
