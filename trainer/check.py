@@ -29,6 +29,7 @@ import torch
 
 from trainer import precision as precision_
 from trainer import step as step_
+from trainer.schema import ConfigError
 
 
 @dataclass
@@ -102,8 +103,13 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     )
     data.prepare_data()
     data.setup("fit")
-    loader = iter(data.train_dataloader())
-    batches = [tuple(t.to(device) for t in next(loader)) for _ in range(steps * config.accum)]
+    loader = data.train_dataloader()
+    if steps * config.accum > len(loader):
+        raise ConfigError(
+            f"--steps {steps} × accum={config.accum} needs {steps * config.accum} micro-batches and the corpus has "
+            f"{len(loader)}; lower --steps (or accum), or give a larger corpus"
+        )
+    batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * config.accum), strict=False)]
     plugin = precision_.plugin(chosen, device.type)
 
     def build(p: Any) -> DecoderModule:
