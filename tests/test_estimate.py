@@ -275,10 +275,16 @@ def test_cli_bad_override_is_one_line_exit_2() -> None:
         (["loss=chunked", "loss.chunk_tokens=0"], "chunk_tokens=0"),
         (["loss=chunked", "loss.chunk_tokens=100000"], "larger than the micro-batch"),
         (["model.vocab_size=100"], "smaller than the tokenizer's 256"),  # the run's rule: refused, not estimated
+        (["--json", "/"], "is a folder"),  # refused before the work
+        (["--policies", "bogus"], "--policies"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:
-    assert main(["model=micro", "seq_len=32", *args]) == 2
+    try:
+        code = main(["model=micro", "seq_len=32", *args])
+    except SystemExit as e:  # argparse's own refusals exit from inside main
+        code = e.code  # type: ignore[assignment]
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -42,6 +41,7 @@ from trainer import precision as precision_
 from trainer import step as step_
 from trainer.loss import LOSSES, LossConfig
 from trainer.policies import POLICIES, Plan, Policy, PolicyError, apply_policy, build_policy, resolve_plan
+from trainer.rundir import write_json_atomic
 from trainer.schema import Config, ConfigError, vocab_for
 
 MIB = 2**20
@@ -141,8 +141,7 @@ class Estimate:
     kept_per_layer: list[int]
     head_bytes: int  # the most bytes the head (final norm, logits, loss; forward and backward) held at once
     fwd_flops: int
-    bwd_flops: int
-    recompute_flops: int = 0
+    bwd_flops: int  # the recompute included (a checkpointed forward runs again inside the backward)
     peak_at: str = ""
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
@@ -867,6 +866,15 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _check_writable(path: Path) -> None:
+    """--json PATH: a file that can be written (its folder made if missing); a one-line ValueError otherwise."""
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file path such as {path / 'estimate.json'}")
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise ValueError(f"--json {path}: cannot write under {folder}; give a path in a writable folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(
         prog="python -m trainer.estimate",
@@ -882,13 +890,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="model torch.autocast with its weight cache on (a bare loop's default); train.py runs it off",
     )
-    parser.add_argument("--policies", default="all", help="'all' (default: every registered policy) or 'configured'")
+    parser.add_argument("--policies", default="all", choices=("all", "configured"),
+                        help="'all' (default: every registered policy) or 'configured'")  # fmt: skip
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
     from trainer.schema import describe_user_error
 
     try:
         budget = None if args.budget is None else parse_bytes(args.budget)
+        if args.json_path:
+            _check_writable(Path(args.json_path))  # before the work, not after it
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -941,8 +952,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(session, est, table, losses, budget))
     if args.json_path:
         path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(to_json(session, est, table, losses, budget), indent=2) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, to_json(session, est, table, losses, budget))
+        except OSError as e:
+            print(f"error: --json {path}: cannot write it ({e.strerror or e}); the estimate is printed above",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     return 0
 
 
