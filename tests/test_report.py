@@ -261,6 +261,30 @@ def test_a_folder_without_jobs_is_one_line(tmp_path: Path, capsys: pytest.Captur
     assert err.startswith("error: ") and "no job folders" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--budget", "abc"], "invalid float value: 'abc'"),
+        (["--budget", "-5"], "--budget -5.0 must be a positive number of MiB"),
+        (["--budget", "nan"], "--budget nan must be a positive number"),
+        (["--metric", "bogus"], "invalid choice: 'bogus'"),
+        (["--out", "FILE"], "File exists"),  # a file where the report's folder goes
+    ],
+)
+def test_bad_report_arguments_are_one_line(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           extra: list[str], fragment: str) -> None:  # fmt: skip
+    (tmp_path / "FILE").write_text("mine")
+    extra = [str(tmp_path / "FILE") if a == "FILE" else a for a in extra]
+    try:
+        code = main([str(sweep), *extra])
+    except SystemExit as e:  # argparse's refusals exit from inside main
+        code = e.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and len(err.splitlines()) == 1, err
+    assert (tmp_path / "FILE").read_text() == "mine"  # nothing overwritten
+
+
 def test_cli_runs_as_a_module(sweep: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "trainer.report", str(sweep), "--budget", "2"],

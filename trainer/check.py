@@ -18,18 +18,17 @@ Bad input: one line, exit 2.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from trainer import precision as precision_
 from trainer import step as step_
-from trainer.schema import ConfigError
+from trainer.schema import ConfigError, OneLineParser
 
 
 @dataclass
@@ -209,14 +208,8 @@ def render(result: CheckResult) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"error: {message} (see python -m trainer.check --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps to compare (default 2)")
     parser.add_argument(

@@ -22,7 +22,6 @@ CUDA (see `CudaKernelRules`); what no rule translates is named in the output.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -31,7 +30,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +41,7 @@ from trainer import step as step_
 from trainer.loss import LOSSES, LossConfig
 from trainer.policies import POLICIES, Plan, Policy, PolicyError, apply_policy, build_policy, resolve_plan
 from trainer.rundir import write_json_atomic
-from trainer.schema import Config, ConfigError, vocab_for
+from trainer.schema import Config, ConfigError, OneLineParser, vocab_for
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -860,12 +859,6 @@ def to_json(
     }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line and exit 2, like every other user error here
-        print(f"error: {message} (see python -m trainer.estimate --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _check_writable(path: Path) -> None:
     """--json PATH: a file that can be written (its folder made if missing); a one-line ValueError otherwise."""
     if path.is_dir():
@@ -876,7 +869,7 @@ def _check_writable(path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m trainer.estimate",
         description="Memory and FLOPs of a training configuration under every activation policy and loss head, from "
         "the real model on fake tensors: no data, no weights, no GPU.",

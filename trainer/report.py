@@ -20,7 +20,6 @@ forward and backward); the report says which, and `--metric` picks one.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -645,7 +644,7 @@ def build_report(folder: Path, budget: float | None = None, metric: str = "auto"
     md = [f"# Report: {title}", "", _describe(jobs), "", markdown_table(jobs), ""]
     notes = [
         f"Memory for the plot and the budget: **{METRICS[metric]}** (`{metric}`): {METRIC_NOTES[metric]}.",
-        "mem ×none and time ×none compare with the `none` job of the same micro-batch, accum and precision"
+        "mem ×none and time ×none compare with the `none` job of the same micro-batch, accum, precision and loss head"
         + (
             " (* marks a row compared with the first `none` job instead, having none of its own)."
             if any(j.baseline is not None and not j.baseline_exact for j in jobs)
@@ -673,7 +672,9 @@ def build_report(folder: Path, budget: float | None = None, metric: str = "auto"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from trainer.schema import OneLineParser
+
+    p = OneLineParser(
         prog="python -m trainer.report",
         description="Table, Pareto plot and loss curves of a Hydra multirun folder (or one run folder).",
     )
@@ -688,9 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None, help="write the report here instead of into the folder")
     args = p.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:  # nan and negatives too
+        p.error(f"--budget {args.budget} must be a positive number of MiB")
     try:
         report = build_report(args.folder, args.budget, args.metric, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # no such folder, --out not writable, a file where a folder goes
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_describe(report.jobs))

@@ -7,8 +7,10 @@ Lightning and datasets imports so a bad command line fails in a second.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -254,3 +256,12 @@ def vocab_for(config: Config, tokenizer_vocab: int) -> int:
             "leave it null to take the tokenizer's size"
         )
     return tokenizer_vocab if v is None else v
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The CLIs' argument parser: a bad argument is one `error:` line naming --help, exit 2, like every other
+    user error here (argparse's own prints its usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
