@@ -385,6 +385,7 @@ def test_allow_accum_halves_the_micro_batch_when_nothing_fits(compose_cfg: Any, 
         ({"name": "auto", "budget_fraction": 1.5}, ["budget_fraction=1.5", "(0, 1]"]),
         ({"name": "auto", "budget_mib": 10, "candidates": ["fulll"]}, ["unknown treatment 'fulll'", "candidates"]),
         ({"name": "auto", "budget_mib": 10, "profile_repeats": 0}, ["profile_repeats=0"]),
+        ({"name": "auto", "budget_mib": 10, "loss_candidates": ["chunkd"]}, ["unknown loss head 'chunkd'", "fused"]),
     ],
 )
 def test_bad_auto_config_is_one_clear_line(cfg: dict[str, Any], words: list[str]) -> None:

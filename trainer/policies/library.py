@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainer.loss import LOSSES
 from trainer.policies import (
     Plan,
     Policy,
@@ -302,6 +303,11 @@ class AutoConfig(OpSacConfig, OffloadConfig):
             raise ValueError(f"policy.budget_fraction={self.budget_fraction} must be in (0, 1]")
         if self.profile_repeats < 1:
             raise ValueError(f"policy.profile_repeats={self.profile_repeats} must be ≥ 1")
+        unknown = [n for n in self.loss_candidates or [] if n not in LOSSES]
+        if unknown:
+            raise ValueError(
+                f"policy.loss_candidates: unknown loss head {unknown[0]!r}; choose from {', '.join(LOSSES)}"
+            )
         if self.candidates is not None:
             if not self.candidates:
                 raise ValueError(f"policy.candidates is empty; list some of {', '.join(treatments())} (or null)")
