@@ -36,7 +36,7 @@ from trainer.loss import LossConfig
 from trainer.module import DecoderModule
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy
 from trainer.precision import plugin
-from trainer.schema import Config
+from trainer.schema import Config, model_vocab
 from trainer.step import StepMeter, bare_step, optimizers_of
 
 MIB = 2**20
@@ -56,15 +56,6 @@ def bench_config(overrides: Sequence[str], device_type: str) -> tuple[Config, di
     return config, env
 
 
-def tokenizer_vocab(config: Config) -> int | None:
-    """The vocabulary train.py's tokenizer would give the model (model.vocab_size, when set, wins in build_model)."""
-    if config.data.tokenizer == "byte":
-        return 256
-    if config.data.tokenizer == "bpe":
-        return config.data.bpe_vocab_size
-    return None  # model=hf with its own tokenizer: the model keeps its vocabulary
-
-
 def build_module(config: Config) -> DecoderModule:
     """The run's LightningModule, initialised from `config.seed` as train.py initialises it (policy `none`: the
     benchmarks switch policies with `apply_policy`)."""
@@ -75,7 +66,7 @@ def build_module(config: Config) -> DecoderModule:
         config.optim,
         max_steps=config.trainer.max_steps,
         loss=config.loss,
-        vocab_size=tokenizer_vocab(config),
+        vocab_size=model_vocab(config),
     )
 
 

@@ -91,6 +91,15 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
         raise DataError(f"seq_len={seq_len} and batch_size={batch_size} must both be at least 1")
 
 
+def check_config(cfg: DataConfig, seq_len: int, batch_size: int, tokenizer_from: str | None) -> None:
+    """What the data settings must satisfy before anything is read: the run's rule, which the estimator (which
+    reads no data) applies too. `tokenizer_from`: the model data.tokenizer=model takes its tokenizer from."""
+    _validate(cfg, seq_len, batch_size)
+    if cfg.tokenizer == "model" and not tokenizer_from:
+        raise DataError("data.tokenizer=model uses a Hugging Face model's tokenizer: it needs model=hf "
+                        "model.name_or_path=...; use data.tokenizer=byte or bpe for this model")  # fmt: skip
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("CKPTLAB_CACHE") or Path.home() / ".cache" / "ckptlab" / "data")
 
@@ -491,10 +500,7 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         if isinstance(cfg.path, str):  # a single path given programmatically
             cfg.path = [cfg.path]
-        _validate(cfg, seq_len, batch_size)
-        if cfg.tokenizer == "model" and not tokenizer_from:
-            raise DataError("data.tokenizer=model uses a Hugging Face model's tokenizer: it needs model=hf "
-                            "model.name_or_path=...; use data.tokenizer=byte or bpe for this model")  # fmt: skip
+        check_config(cfg, seq_len, batch_size, tokenizer_from)
         self.tokenizer_from = tokenizer_from
         self._hf_tokenizer: Any = None
         self.cfg = cfg

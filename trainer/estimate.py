@@ -41,7 +41,7 @@ from trainer import step as step_
 from trainer.loss import LOSSES, LossConfig
 from trainer.policies import POLICIES, Plan, Policy, PolicyError, apply_policy, build_policy, resolve_plan
 from trainer.rundir import write_json_atomic
-from trainer.schema import Config, ConfigError, OneLineParser, vocab_for
+from trainer.schema import Config, ConfigError, OneLineParser, model_vocab
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,7 +270,11 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         from models.hf import load_config
 
         hf_config = load_config(str(config.model.name_or_path))
-    vocab = vocab_for(config, _tokenizer_vocab(config))
+    from trainer.data import check_config
+
+    tokenizer_from = config.model.name_or_path if config.data.tokenizer == "model" else None
+    check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
+    vocab = model_vocab(config)
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
     world = sharded_world(config)
@@ -366,12 +370,6 @@ def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_floating_point():
                 m._buffers[name] = b.to(dtype)
-
-
-def _tokenizer_vocab(config: Config) -> int:
-    if config.data.tokenizer == "bpe":
-        return config.data.bpe_vocab_size
-    return 256
 
 
 def measure(session: Session, policy: Policy, loss: LossConfig | None = None) -> Estimate:

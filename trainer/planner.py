@@ -1286,7 +1286,9 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
             )
     device = torch.device(device) if device is not None else config_device(config)
     chosen, _ = precision_.resolve(config.precision, device.type)
-    vocab = config.model.vocab_size or (256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
+    from trainer.schema import model_vocab
+
+    vocab = model_vocab(config)
     cpu = torch.get_rng_state()
     try:
         torch.manual_seed(config.seed)

@@ -258,6 +258,14 @@ def vocab_for(config: Config, tokenizer_vocab: int) -> int:
     return tokenizer_vocab if v is None else v
 
 
+def model_vocab(config: Config) -> int | None:
+    """The vocabulary the model is built with, from the config alone (the estimator, the planner's estimate and the
+    benchmarks read no data): vocab_for with the tokenizer's size (byte: 256, bpe: data.bpe_vocab_size); with
+    data.tokenizer=model, model.vocab_size or None (an HF model keeps its own)."""
+    tokenizer = {"byte": 256, "bpe": config.data.bpe_vocab_size}.get(config.data.tokenizer)
+    return vocab_for(config, tokenizer) if tokenizer is not None else config.model.vocab_size
+
+
 class OneLineParser(argparse.ArgumentParser):
     """The CLIs' argument parser: a bad argument is one `error:` line naming --help, exit 2, like every other
     user error here (argparse's own prints its usage block first)."""
