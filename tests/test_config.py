@@ -99,6 +99,7 @@ BAD_COMMAND_LINES = [
     (["model=hf", "model.name_or_path=/nonexistent/folder"], "no such folder"),
     (["data.tokenizer=model"], "data.tokenizer=model uses a Hugging Face model's tokenizer"),
     (["trainer.devices=0"], "Lightning refuses it: Trainer(devices=0) value is not a valid input"),
+    (["trainer.max_steps=2", "measure.snapshot_step=5"], "measure.snapshot_step=5 is never reached"),
 ]
 
 

@@ -189,6 +189,12 @@ class Config:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+        snap, steps = self.measure.snapshot_step, self.trainer.max_steps
+        if snap is not None and steps > 0 and snap >= steps:  # steps count from 0
+            raise ValueError(
+                f"measure.snapshot_step={snap} is never reached by trainer.max_steps={steps} (steps 0 to {steps - 1}); "
+                f"give measure.snapshot_step ≤ {steps - 1}"
+            )
         tokens = self.batch_size * self.seq_len
         if self.loss.name != "standard" and self.loss.chunk_tokens > tokens:
             raise ValueError(
