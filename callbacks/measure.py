@@ -162,9 +162,11 @@ class MeasureCallback(L.Callback):
 
     def summary(self) -> dict[str, Any]:
         """Medians over the steps after warm-up; tracked steps are left out of the time figures. A run no longer
-        than its warm-up reports over all its steps (`time_includes_warmup`)."""
+        than its warm-up reports over all its steps (`time_includes_warmup`); one whose steps after warm-up were all
+        tracked times those (`time_includes_tracked`: the tracker slows a step)."""
         steady = [r for r in self.records if r["step"] > self.warmup_steps] or self.records
-        timed = [r for r in steady if not r["tracked"]] or steady
+        untracked = [r for r in steady if not r["tracked"]]
+        timed = untracked or steady
 
         def median(tag: str, rows: list[dict[str, float]]) -> float | None:
             values = [r[tag] for r in rows if tag in r]
@@ -178,6 +180,7 @@ class MeasureCallback(L.Callback):
             M.MEDIAN_STEP_MS: median(M.STEP_MS, timed),
             M.TOKENS_PER_S_KEY: median(M.TOKENS_PER_S, timed),
             "time_includes_warmup": bool(self.records) and not any(r["step"] > self.warmup_steps for r in self.records),
+            "time_includes_tracked": bool(steady) and not untracked,
             M.PEAK_ALLOCATED_KEY: peak(M.PEAK_ALLOCATED, steady),
             M.PEAK_RESERVED_KEY: peak(M.PEAK_RESERVED, steady),
             M.ACTIVATION_PEAK_KEY: peak(M.ACTIVATION_PEAK, self.records),

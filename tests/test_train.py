@@ -226,3 +226,21 @@ def test_a_run_shorter_than_the_warm_up_still_measures(tmp_path: Path, compose_c
     assert summary["activation_peak_mib"] > 0 and summary["peak_total_mib"] > summary["activation_peak_mib"]
     tagged = [e.step for e in events(tmp_path / "run").Scalars("memory/activation_peak_mib")]
     assert tagged == [3]  # the last step, logged under its global step
+
+
+def test_times_from_tracked_steps_only_are_flagged() -> None:
+    """Warm-up 1, steps 1-3 recorded: when the one step after warm-up was tracked, its (slower) time is the figure
+    and the summary says so; once an untracked step follows, the tracked one is left out."""
+    from callbacks.measure import MeasureCallback
+
+    def row(step: int, tracked: bool, ms: float) -> dict[str, float]:
+        return {"step": step, "tracked": tracked, metrics.STEP_MS: ms, metrics.TOKENS_PER_S: 1e3 / ms,
+                metrics.TRAIN_LOSS: 1.0}  # fmt: skip
+
+    cb = MeasureCallback(warmup_steps=1, activation_every_n_steps=2, max_steps=3)
+    cb.records = [row(1, False, 100.0), row(2, True, 150.0)]
+    s = cb.summary()
+    assert s[metrics.MEDIAN_STEP_MS] == 150.0 and s["time_includes_tracked"] is True
+    cb.records.append(row(3, False, 110.0))
+    s = cb.summary()
+    assert s[metrics.MEDIAN_STEP_MS] == 110.0 and s["time_includes_tracked"] is False
