@@ -5,7 +5,8 @@
       .solve(budget)            -> Solution     the fastest plan whose predicted peak fits (exact DP)
       .min_peak()               -> Solution     the most frugal plan (for the refusal line)
     plan_model(...)             -> PlanResult   profile + solve (+ allow_accum) or a one-line PolicyError
-    plan_for_config(config)     -> (Plan, text) the same on a freshly built model and a random batch: the estimator
+    plan_for_config(config)     -> (Plan, loss head, text)  the same on a freshly built model and a random batch:
+                                                the estimator
 
 What is measured (LiveTensorTracker, so CPU and CUDA alike; the budget is MiB of the same whole-step figure the
 measuring callback reports as `peak_total_mib`):

@@ -73,12 +73,12 @@ def plugin(precision: str, device_type: str) -> Any:
 
     if precision in ("bf16-mixed", "16-mixed"):
         return MixedPrecision(precision, device="cuda" if device_type == "cuda" else "cpu")  # type: ignore[arg-type]
-    if precision in ("bf16-true", "16-true"):
-        return HalfPrecision(precision)  # type: ignore[arg-type]
+    if precision == "bf16-true":
+        return HalfPrecision(precision)
     if precision == "32-true":
         return Precision()
     raise ValueError(f"precision={precision!r} has no plugin; resolve `auto` first")
 
 
 def param_dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16-true" else torch.float16 if precision == "16-true" else torch.float32
+    return torch.bfloat16 if precision == "bf16-true" else torch.float32
