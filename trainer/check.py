@@ -28,7 +28,7 @@ import torch
 
 from trainer import precision as precision_
 from trainer import step as step_
-from trainer.schema import ConfigError, OneLineParser
+from trainer.schema import ConfigError, OneLineParser, vocab_for
 
 
 @dataclass
@@ -82,7 +82,6 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     from trainer.planner import config_device, default_optimizer, head_candidates, plan_model
     from trainer.policies import apply_policy, build_policy
     from trainer.run import hf_config_for
-    from trainer.schema import vocab_for
 
     device = config_device(config)
     chosen, _ = precision_.resolve(config.precision, device.type)

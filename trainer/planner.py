@@ -56,6 +56,7 @@ from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.memory import MIB, LiveTensorTracker
 from trainer.policies import POLICIES, Plan, PolicyError, build_policy, install_plan, remove_policy
+from trainer.schema import model_vocab
 
 log = logging.getLogger(__name__)
 # Lightning's per-step scalars (the closure's loss / accum, logged values, norms) that a bare loop does not make:
@@ -1287,8 +1288,6 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
             )
     device = torch.device(device) if device is not None else config_device(config)
     chosen, _ = precision_.resolve(config.precision, device.type)
-    from trainer.schema import model_vocab
-
     vocab = model_vocab(config)
     cpu = torch.get_rng_state()
     try:
