@@ -210,7 +210,7 @@ def plan_sections(args: argparse.Namespace) -> list[Section]:
             s = Section(head_model, overrides, config, env)
             sections.append(s)
         tokens = config.batch_size * config.seq_len
-        chunk = args.chunk_tokens or max(1, min(config.loss.chunk_tokens, tokens // 4))
+        chunk = args.chunk_tokens or max(1, min(config.loss.chunk_tokens or tokens, tokens // 4))
         head_policies = args.head_policies.split(",")
         runnable, skipped = registered_policies(config, head_policies)
         if skipped:

@@ -15,9 +15,13 @@ LightningModule use. Nothing outside models/ names a model class or reaches into
                                    the attention seam: layer i's core attention (GQA key/value repeat, QKᵀ,
                                    softmax, dropout, ·V) runs as wrapper(core, *args, **kwargs); None restores it.
                                    A layer without attention (a hybrid model's state-space layer) has no seam.
-    adapter.layers_return_hidden_only
-                                   False where a layer returns more than the hidden states (e.g. router state for
-                                   the next layer): grouped policies (every_k, sqrt) refuse such a model
+    adapter.logit_transform        what the model's own forward does to head(hidden) before its loss (Cohere's
+                                   logit scale, Gemma-2's final soft-capping): every loss head applies it
+    adapter.has_attention_seam     can the core attention be wrapped at all (False where the family computes
+                                   attention inline, not through a swappable function): `selective` needs it
+    adapter.layer_output           what the model's loop takes from a layer's return and hands to the next
+                                   (the tensor itself, or its first element); `passes_more` (router state for the
+                                   next layer) means blocks cannot be grouped: every_k and sqrt refuse
     adapter.describe()             family and shape, for summaries and the estimator's header
 
 Two kinds of model meet it: this project's own decoders (models/gpt.py, models/llama.py: `layers`,
@@ -28,13 +32,68 @@ Two kinds of model meet it: this project's own decoders (models/gpt.py, models/l
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 Wrapper = Callable[..., Any]  # wrapper(fn, *args, **kwargs): runs fn(*args, **kwargs), e.g. under a checkpoint
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's forward does to `head(hidden)` before its loss, as ops applied in order: ("float", 1.0)
+    upcasts, ("scale", s) multiplies, ("softcap", c) is c·tanh(logits / c). Empty: the logits are the head's."""
+
+    ops: tuple[tuple[str, float], ...] = ()
+    source: str = ""  # where it was read (the model's class), for messages
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        for op, value in self.ops:
+            if op == "float":
+                logits = logits.float()
+            elif op == "scale":
+                logits = logits * value
+            else:  # softcap
+                logits = torch.tanh(logits / value) * value
+        return logits
+
+    @property
+    def scale(self) -> float | None:
+        """The one factor the transform amounts to where it is only scaling (1.0: none), so a fused op can take it
+        on its input; None where it is not linear (soft-capping)."""
+        if any(op == "softcap" for op, _ in self.ops):
+            return None
+        return math.prod(v for op, v in self.ops if op == "scale")
+
+    def describe(self) -> str:
+        parts = {"float": lambda v: "fp32", "scale": lambda v: f"× {v:g}", "softcap": lambda v: f"{v:g}·tanh(·/{v:g})"}
+        return ", ".join(parts[op](v) for op, v in self.ops) or "none"
+
+
+@dataclass(frozen=True)
+class LayerOutput:
+    """What the model's loop takes from a layer's return value: the tensor itself ("tensor"), or element 0 of a
+    tuple of `width` elements ("first"; the rest is dropped or only collected for outputs a run never asks for);
+    "passes_more": the loop hands the next layer more than the hidden states, so layers cannot be grouped."""
+
+    kind: str = "tensor"  # tensor | first | passes_more
+    width: int = 1
+
+    @property
+    def groupable(self) -> bool:
+        return self.kind != "passes_more"
+
+    def hidden_of(self, out: Any) -> Any:
+        return out[0] if self.kind == "first" and isinstance(out, (tuple, list)) else out
+
+    def stand_in(self, hidden: torch.Tensor) -> Any:
+        """What a grouped layer before the segment's last returns in place of running: what the loop reads as the
+        unchanged hidden states."""
+        return hidden if self.kind == "tensor" else (hidden, *([None] * (self.width - 1)))
 
 
 class DecoderAdapter:
@@ -62,15 +121,23 @@ class DecoderAdapter:
         raise NotImplementedError
 
     @property
-    def has_eager_path(self) -> bool:
-        """Can this model run an explicit (T×T) attention core at all, whatever it is configured to run?"""
+    def has_attention_seam(self) -> bool:
+        """Can layer attention's core be wrapped (`wrap_core_attention`), whatever it is configured to run?"""
         return True
 
     @property
-    def layers_return_hidden_only(self) -> bool:
-        """Does every layer return the hidden states alone? Grouped policies (several blocks as one region) pass
-        the stream through the earlier layers of a group, which is only right when nothing else flows between them."""
-        return True
+    def logit_transform(self) -> LogitTransform:
+        return LogitTransform()
+
+    @property
+    def layer_output(self) -> LayerOutput:
+        """How the model's loop reads a layer's return. Grouped policies (several blocks as one region) pass the
+        stream through the earlier layers of a group, which is only right when nothing else flows between them."""
+        return LayerOutput()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own logits from final hidden states: the head, then the family's transform."""
+        return self.logit_transform(self.head(hidden))
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         raise NotImplementedError

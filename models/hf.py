@@ -17,13 +17,9 @@ touching the model.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
-import functools
-import inspect
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import hub
-from models.adapter import DecoderAdapter, Wrapper
+from models import hf_source, hub
+from models.adapter import DecoderAdapter, LayerOutput, LogitTransform, Wrapper
 
 ATTENTION_NAME = "ckptlab_eager"
 WRAPPER_ATTR = "ckptlab_core_wrapper"  # set on an attention module by a policy: run its core through this
@@ -57,9 +53,31 @@ def _transformers() -> Any:
     return transformers
 
 
-def _eager_function(module: nn.Module) -> Any:
+def _eager_function(module: nn.Module | type) -> Any:
     """The model's own eager attention (each modeling_<model>.py defines `eager_attention_forward`)."""
-    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    cls = module if isinstance(module, type) else type(module)
+    return getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+
+
+def model_class(config: Any) -> type:
+    """The causal-LM class transformers builds for `config`."""
+    transformers = _transformers()
+    return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def attn_implementation(cls: type, attention: str) -> str:
+    """What to ask transformers for, or a one-line HFModelError, decided from the class before it is built.
+
+    eager: the seam (`ckptlab_eager`) where the family routes attention through a swappable function (its modeling
+    module has `eager_attention_forward`); elsewhere (Falcon, Bloom, MPT compute it inline) transformers' own eager
+    implementation, which runs every policy but `selective`. sdpa: only where the family has it."""
+    if attention == "eager":
+        return ATTENTION_NAME if _eager_function(cls) is not None else "eager"
+    if not getattr(cls, "_supports_sdpa", False):
+        version = _transformers().__version__
+        raise HFModelError(f"{cls.__name__} has no SDPA attention in transformers {version}; use "
+                           "model.attention=eager")  # fmt: skip
+    return "sdpa"
 
 
 def _ckptlab_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -143,7 +161,7 @@ def load_causal_lm(
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if number and key.endswith(("dropout", "pdrop", "dropout_prob")) and hasattr(config, key):
                 setattr(config, key, float(dropout))
-    impl = ATTENTION_NAME if attention == "eager" else "sdpa"
+    impl = attn_implementation(model_class(config), attention)
     if pretrained:
         where, local_only, _ = resolve(name_or_path)
         try:
@@ -154,14 +172,14 @@ def load_causal_lm(
             raise HFModelError(f"model.name_or_path={name_or_path}: cannot load its weights ({_one_line(e, 160)}); "
                                "model.pretrained=false initialises them from the config instead") from None  # fmt: skip
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+        except Exception as e:  # transformers refuses its own config (e.g. an inconsistent layer pattern)
+            raise HFModelError(f"model.name_or_path={name_or_path}: transformers cannot build it from its config "
+                               f"({_one_line(e, 160)})") from None  # fmt: skip
     model.config.use_cache = False  # training: no KV cache
     adapter = HFAdapter(model)
-    if attention == "eager" and not adapter.has_eager_path:
-        raise HFModelError(
-            f"{type(model).__name__} has no eager attention path (no eager_attention_forward in its modeling "
-            "module); use model.attention=sdpa (and a policy other than selective)"
-        )
+    adapter.logit_transform  # noqa: B018  (a head the loss cannot follow is refused now, not at the first step)
     return model
 
 
@@ -211,22 +229,33 @@ class HFAdapter(DecoderAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.base = model.base_model
-        self._layers = self._find_layers()
-        if model.config._attn_implementation == "eager":  # HF's own eager, e.g. a model built outside load_causal_lm
-            register_attention()  # the seam runs that same eager function, so the logits are unchanged (tested)
+        self._owner, self._attr, self._layers = self._find_layers()
+        self._transform: LogitTransform | None = None
+        self._layer_output: LayerOutput | None = None
+        # HF's own eager, e.g. a model built outside load_causal_lm: the seam runs that same eager function, so the
+        # logits are unchanged (tested). A family that computes attention inline keeps HF's eager and has no seam.
+        if model.config._attn_implementation == "eager" and self.has_attention_seam:
+            register_attention()
             model.set_attn_implementation(ATTENTION_NAME)
 
-    def _find_layers(self) -> nn.ModuleList:
+    def _find_layers(self) -> tuple[nn.Module, str, nn.ModuleList]:
+        """(the module that owns the decoder layers, its attribute, the list): the ModuleList of the class the model
+        names as its unit of sharding (`_no_split_modules`) anywhere under the base model (OPT keeps it under
+        `decoder.layers`); without one, the base model's only non-empty ModuleList."""
         units = set(getattr(self.model, "_no_split_modules", None) or [])
-        lists = [m for m in self.base.children() if isinstance(m, nn.ModuleList) and len(m) > 0]
-        for ml in lists:
-            if units and type(ml[0]).__name__ in units:
-                return ml
-        if len(lists) == 1:
-            return lists[0]
+        found: list[tuple[nn.Module, str, nn.ModuleList]] = []
+        for owner in self.base.modules():
+            for attr, child in owner.named_children():
+                if isinstance(child, nn.ModuleList) and len(child) > 0 and type(child[0]).__name__ in units:
+                    found.append((owner, attr, child))
+        if found:
+            return max(found, key=lambda f: len(f[2]))  # a vision tower's blocks may be units too: the longest
+        direct = [(a, m) for a, m in self.base.named_children() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        if len(direct) == 1:
+            return self.base, direct[0][0], direct[0][1]
         raise HFModelError(
-            f"{type(self.model).__name__}: cannot tell which ModuleList holds the decoder layers "
-            f"(candidates: {[type(m[0]).__name__ for m in lists]}, _no_split_modules={sorted(units)})"
+            f"{type(self.model).__name__}: no ModuleList of its decoder-layer class ({sorted(units) or 'none named'}"
+            f" in _no_split_modules) under {type(self.base).__name__}, so there are no layers for a policy to treat"
         )
 
     @property
@@ -235,23 +264,45 @@ class HFAdapter(DecoderAdapter):
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """The causal LM is called as a whole (hooks on it run: FSDP2's root all-gather), asked for logits at no
-        position (`logits_to_keep`: an empty index), and the base model's last hidden state is taken on its way
-        out by a forward hook."""
-        seen: list[torch.Tensor] = []
-        hook = self.base.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
+        position (`logits_to_keep`: an empty index), and the last hidden state is taken on its way out of the base
+        model by a forward hook (or out of the module that runs the layers, where the causal LM calls that one
+        directly: OPT's `model.decoder`)."""
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep(name: str) -> Any:
+            def hook(_m: nn.Module, _a: Any, out: Any) -> None:  # returns None: the output stays as it is
+                seen.setdefault(name, out.last_hidden_state)
+
+            return hook
+
+        hooks = [self.base.register_forward_hook(keep("base"))]
+        if self._owner is not self.base:
+            hooks.append(self._owner.register_forward_hook(keep("owner")))
         try:
             self.model(input_ids=idx, use_cache=False, logits_to_keep=idx.new_zeros(0))
         finally:
-            hook.remove()
-        return seen[0]
+            for hook in hooks:
+                hook.remove()
+        return seen["base"] if "base" in seen else seen["owner"]
 
     @property
     def head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
     @property
+    def logit_transform(self) -> LogitTransform:
+        """Read once from the causal LM's forward (models/hf_source.py); a head the loss heads cannot follow is
+        refused in one line rather than trained on another objective."""
+        if self._transform is None:
+            found = hf_source.head_transform(self.model)
+            if isinstance(found, str):
+                raise HFModelError(f"{found}; the loss heads would train another objective than the model's own")
+            self._transform = found
+        return self._transform
+
+    @property
     def attention(self) -> str:
-        return "eager" if self.model.config._attn_implementation == ATTENTION_NAME else "sdpa"
+        return "eager" if self.model.config._attn_implementation in (ATTENTION_NAME, "eager") else "sdpa"
 
     def _attention_module(self, i: int) -> nn.Module | None:
         """Layer i's attention (the module with `config` and `is_causal`), or None: a hybrid model's state-space
@@ -263,14 +314,20 @@ class HFAdapter(DecoderAdapter):
         return None
 
     @property
-    def has_eager_path(self) -> bool:
-        modules = (self._attention_module(i) for i in range(self.n_layer))
-        first = next((m for m in modules if m is not None), None)
-        return first is not None and _eager_function(first) is not None
+    def has_attention_seam(self) -> bool:
+        """Does the family run attention through a function transformers lets us swap (its modeling module's
+        `eager_attention_forward`)? Falcon, Bloom and MPT compute it inline: no core to wrap."""
+        return _eager_function(type(self.model)) is not None
 
     @property
-    def layers_return_hidden_only(self) -> bool:
-        return not any(_returns_a_tuple(cls) for cls in {type(layer) for layer in self.layers})
+    def layer_output(self) -> LayerOutput:
+        if self._layer_output is None:
+            read = hf_source.layer_output(self._owner, self._attr)
+            if read is None:  # no loop to read: what the layers' own source returns
+                tuples = any(hf_source.returns_a_tuple(cls) for cls in {type(layer) for layer in self.layers})
+                read = LayerOutput("passes_more") if tuples else LayerOutput()
+            self._layer_output = read
+        return self._layer_output
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         module = self._attention_module(i)
@@ -296,20 +353,10 @@ class HFAdapter(DecoderAdapter):
             "block_size": max_positions(c),
             "attention": self.attention,
             "attn_implementation": c._attn_implementation,  # e.g. sdpa or flash_attention_2 behind "sdpa"
+            "logit_transform": self.logit_transform.describe(),
             "tied_head": self.tied_head,
             "params": self.num_parameters(),
         }
-
-
-@functools.cache
-def _returns_a_tuple(layer_class: type) -> bool:
-    """Does this decoder layer's forward return a tuple literal (`return hidden_states, router_state`)? Read from its
-    source, since transformers' return annotations say `tuple` for many layers that return the tensor alone."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(layer_class.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return False  # no source to read: the group runner's own check catches a tuple at the first step
-    return any(isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) for node in ast.walk(tree))
 
 
 def max_positions(config: Any) -> int | None:

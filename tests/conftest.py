@@ -110,13 +110,38 @@ def hf_configs() -> dict[str, object]:
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
             max_position_embeddings=128, **common,
         ),
+        # its forward scales the logits (`logits * self.logit_scale`) before its loss
+        "cohere": transformers.CohereConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, attention_dropout=0.1, logit_scale=0.0625, **common,
+        ),
+        # final logit soft-capping, c·tanh(logits / c) (Gemma-2's c is 30; 1 here, so it matters at random weights);
+        # no SDPA in transformers
+        "gemma2": transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=128, attention_dropout=0.1, sliding_window=16,
+            final_logit_softcapping=1.0, **common,
+        ),
+        # its layers live one level down (model.decoder.layers)
+        "opt": transformers.OPTConfig(
+            hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128,
+            word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1, **common,
+        ),
+        # attention computed inline (no swappable function); layers return (output, attn_weights), the loop reads [0]
+        "falcon": transformers.FalconConfig(
+            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, new_decoder_architecture=False,
+            multi_query=True, attention_dropout=0.1, hidden_dropout=0.1, **common,
+        ),
+        # ALiBi, attention inline, no SDPA in transformers
+        "bloom": transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=4, attention_dropout=0.1,
+                                          hidden_dropout=0.1, **common),
     }  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{"llama" | "gpt2" | "qwen2" | "jamba" | "zaya": a folder with config.json and a tokenizer (no weights:
-    pretrained=false)}."""
+    """{family: a folder with config.json and a tokenizer (no weights: pretrained=false)} for every family in
+    hf_configs()."""
     root = tmp_path_factory.mktemp("hf-models")
     tokenizer = _tiny_tokenizer()
     out = {}

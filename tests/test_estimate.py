@@ -49,6 +49,9 @@ MODELS = {
               "model.mlp_hidden=128", "model.dropout=0.1"],
     "hf-llama": ["model=hf", "model.attention=eager"],  # + model.name_or_path (the session's tiny folder)
     "hf-gpt2": ["model=hf", "model.attention=eager"],
+    # layers one level down (model.decoder.layers); attention inline with transformers' own eager (no SDPA)
+    "hf-opt": ["model=hf", "model.attention=eager"],
+    "hf-bloom": ["model=hf", "model.attention=eager"],
 }  # fmt: skip
 # Two shapes: fp32 with the standard head; bf16 autocast with accumulation, SDPA and the chunked head.
 SHAPES = {
@@ -78,9 +81,13 @@ def _with_policy(cfg: Any, policy: str) -> Any:
     return cfg
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("model", list(MODELS))
+# Every model × shape × policy for the four families; OPT under every policy and Bloom under the policies it takes
+# (no seam: not selective) in fp32, to keep the suite's time.
+CASES = [(m, shape, p) for m in ("gpt", "llama", "hf-llama", "hf-gpt2") for shape in SHAPES for p in POLICY_NAMES]
+CASES += [("hf-opt", "fp32", p) for p in POLICY_NAMES] + [("hf-bloom", "fp32", p) for p in ("full", "op_sac")]
+
+
+@pytest.mark.parametrize("model, shape, policy", CASES)
 def test_estimate_equals_a_training_run(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], tmp_path: Path,
     model: str, shape: str, policy: str,
@@ -315,3 +322,18 @@ def test_cli_does_not_fit_names_the_policies_that_do(capsys: pytest.CaptureFixtu
     verdict = next(line for line in out.splitlines() if line.startswith("policy=none"))
     assert "does not fit in 16.0 MiB" in verdict and "policies that fit: " in verdict
     assert "full" in verdict.split("policies that fit: ")[1] and "selective" not in verdict.split(": ")[-1]
+
+
+def test_chunked_is_chunked_at_the_default_shape(compose_cfg: Callable[..., Any]) -> None:
+    """At the default micro-batch (4 × 256 tokens) loss.chunk_tokens is null: the tokens in 8 chunks, so a chunked
+    head holds less than the standard one, and so does the step (a BPE vocabulary of 8,192)."""
+    from trainer.loss import DEFAULT_CHUNKS
+
+    est = {}
+    for head in ("standard", "chunked"):
+        config = validate(compose_cfg(f"loss={head}", "data.tokenizer=bpe", "data.bpe_vocab_size=8192", small=False))
+        assert config.loss.chunk_tokens is None
+        est[head] = measure(open_session(config), build_policy(config.policy))
+    assert validate(compose_cfg(small=False)).loss.chunk_for(4 * 256) == 4 * 256 // DEFAULT_CHUNKS
+    assert est["chunked"].head_bytes < est["standard"].head_bytes / 2
+    assert est["chunked"].activation_bytes < est["standard"].activation_bytes

@@ -198,25 +198,156 @@ def test_data_tokenizer_model_without_a_tokenizer(compose_cfg: Callable[..., Any
     assert not (tmp_path / "run").exists()
 
 
-def test_an_eager_request_on_a_model_with_no_eager_path(hf_models: dict[str, Path],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from transformers.models.llama import modeling_llama
-
-    monkeypatch.delattr(modeling_llama, "eager_attention_forward")
-    with pytest.raises(HFModelError, match="has no eager attention path .* use model.attention=sdpa"):
-        load_causal_lm(str(hf_models["llama"]), attention="eager")
-
-
-def test_selective_on_a_model_with_no_eager_path(hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers.models.llama import modeling_llama
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
+def test_a_family_without_a_swappable_attention_runs_transformers_own_eager(hf_models: dict[str, Path],
+                                                                            family: str) -> None:  # fmt: skip
+    """Falcon and Bloom compute attention inline: model.attention=eager loads transformers' own eager
+    implementation (Bloom has no SDPA at all), the logits are the model's own, and only selective, which needs the
+    seam, is refused in one line; every other policy installs."""
+    import transformers
 
     from trainer.policies import PolicyError, apply_policy
 
-    model = load_causal_lm(str(hf_models["llama"]), attention="sdpa")
-    monkeypatch.delattr(modeling_llama, "eager_attention_forward")
-    with pytest.raises(PolicyError, match="has no eager attention core to recompute .* choose op_sac or full"):
+    torch.manual_seed(0)
+    model = load_causal_lm(str(hf_models[family]), attention="eager", dropout=0.0).eval()
+    adapter = adapter_for(model)
+    assert model.config._attn_implementation == "eager" and adapter.attention == "eager"
+    assert not adapter.has_attention_seam
+    hf = transformers.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
+    hf.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(adapter.logits(adapter.hidden(idx)), hf(input_ids=idx).logits)
+    with pytest.raises(PolicyError, match="computes attention inline .* choose op_sac or full") as e:
         apply_policy(model, "selective")
-    apply_policy(model, "op_sac")  # the others still apply
+    assert "\n" not in str(e.value)
+    for policy in ("full", "op_sac", "sqrt", "first_k"):
+        apply_policy(model, policy)
+
+
+def test_sdpa_on_a_family_transformers_has_no_sdpa_for_is_one_line_and_leaves_no_folder(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path
+) -> None:
+    for family in ("gemma2", "bloom"):
+        cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models[family]}", "model.attention=sdpa", *RUN)
+        with pytest.raises(HFModelError, match=r"has no SDPA attention in transformers .*; use model.attention=eager"):
+            train(cfg, tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+
+
+def test_selective_on_a_family_computing_attention_inline_leaves_no_folder(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from trainer.policies import PolicyError
+
+    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager",
+                      "policy=selective", *RUN)  # fmt: skip
+    with pytest.raises(PolicyError, match="FalconForCausalLM computes attention inline"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_layers_are_found_where_the_family_keeps_them(hf_models: dict[str, Path]) -> None:
+    """OPT keeps its decoder layers one level down (model.decoder.layers): found by its _no_split_modules class,
+    and the hidden states are the decoder's own output (its causal LM calls model.decoder, not model)."""
+    model = load_causal_lm(str(hf_models["opt"]), dropout=0.0).eval()
+    adapter = adapter_for(model)
+    assert adapter.layers is model.model.decoder.layers and adapter.n_layer == 4
+    idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(adapter.logits(adapter.hidden(idx)), model(input_ids=idx).logits)
+
+
+def test_a_model_without_a_layer_list_is_one_line() -> None:
+    import transformers
+
+    from models.hf import HFAdapter
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320
+        )  # fmt: skip
+    )
+    model._no_split_modules = ["NotItsLayer"]
+    model.model.extra = torch.nn.ModuleList([torch.nn.Linear(2, 2)])  # two candidate lists, neither named
+    with pytest.raises(HFModelError, match=r"no ModuleList of its decoder-layer class \(\['NotItsLayer'\]") as e:
+        HFAdapter(model)
+    assert "\n" not in str(e.value)
+
+
+# Families whose forward does something to its logits (Cohere scales them, Gemma-2 soft-caps them) and families
+# that do nothing: the project's loss, through every head, is the one the model's own forward computes with labels.
+OWN_LOSS_FAMILIES = ["llama", "gpt2", "qwen2", "cohere", "gemma2", "opt", "falcon", "bloom"]
+TRANSFORMS = {"cohere": "× 0.0625", "gemma2": "1·tanh(·/1)"}
+
+
+@pytest.mark.parametrize("head", ["standard", "chunked", "fused"])
+@pytest.mark.parametrize("family", OWN_LOSS_FAMILIES)
+def test_the_training_loss_and_its_gradients_are_the_models_own(hf_models: dict[str, Path], family: str,
+                                                                 head: str) -> None:  # fmt: skip
+    from trainer.loss import head_loss
+    from trainer.module import DecoderModule
+    from trainer.schema import ConfigError
+
+    model_cfg = {"family": "hf", "name_or_path": str(hf_models[family]), "attention": "eager", "dropout": 0.0}
+    torch.manual_seed(0)
+    if family == "gemma2" and head == "fused":  # a soft-cap cannot enter torch's fused op: refused at build
+        with pytest.raises(ConfigError, match=r"loss=fused cannot apply Gemma2ForCausalLM's logit transform "
+                                              r"\(1·tanh\(·/1\)\).*use loss=chunked"):  # fmt: skip
+            DecoderModule(model_cfg, loss={"name": head})
+        return
+    module = DecoderModule(model_cfg, loss={"name": head, "chunk_tokens": 8})  # 3 chunks of the 2 × 12 tokens
+    adapter = module.adapter
+    assert adapter.describe()["logit_transform"] == TRANSFORMS.get(family, "none")
+    idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([idx[:, 1:], torch.full((2, 1), -100)], dim=1)  # what labels=idx means to HF: shifted
+
+    def loss_and_grads(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    own, own_grads = loss_and_grads(lambda: module.model(input_ids=idx, labels=idx).loss)
+    ours, grads = loss_and_grads(lambda: module.loss_of((idx, targets)))
+    torch.testing.assert_close(ours, own, rtol=1e-6, atol=0)
+    assert grads.keys() == own_grads.keys()
+    for name, grad in grads.items():  # fp32, the same sums in another order: within 1e-5 of each largest element
+        scale = own_grads[name].abs().max().item()  # (+1e-9: a key bias's gradient is zero but for rounding)
+        off = (grad - own_grads[name]).abs().max().item()
+        assert off <= 1e-5 * scale + 1e-9, f"{family} {head}: {name} off by {off:.3g} (largest {scale:.3g})"
+    if family in TRANSFORMS:  # the comparison can fail: without the transform the loss is another one
+        with torch.no_grad():
+            plain = head_loss(adapter.hidden(idx), adapter.head, targets, module.loss_config)
+        assert abs(plain.item() - own.item()) > 1e-4
+
+
+def test_a_head_the_loss_cannot_follow_is_refused_in_one_line(hf_models: dict[str, Path]) -> None:
+    """A transform this project does not know (here an in-place change of the logits) is refused at load, naming
+    the statement, rather than trained as another objective."""
+    import transformers
+
+    from models import hf_source
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(hf_models["llama"]))
+
+    class Masked(type(model)):  # type: ignore[misc]
+        def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+            hidden_states = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits[..., 0] = -1e4
+            loss = self.loss_function(logits, labels, self.vocab_size)
+            return loss
+
+    model.__class__ = Masked
+    reason = hf_source.head_transform(model)
+    assert isinstance(reason, str) and "cannot follow (logits[..., 0] = -10000.0)" in reason
+    model.config.output_router_logits = False
+    reason = hf_source.head_transform(transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, num_local_experts=2, vocab_size=320,
+                                   output_router_logits=True)))  # fmt: skip
+    assert isinstance(reason, str) and "adds to its loss" in reason and "aux_loss" in reason
 
 
 def test_a_tokenizer_larger_than_the_vocabulary(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
@@ -245,7 +376,13 @@ def test_cli_hf_errors_are_one_line(hf_models: dict[str, Path], tmp_path: Path) 
         (["model=hf", f"model.name_or_path={tmp_path}"], "has no config.json"),
         (["model=hf", "model.name_or_path=surely-not/a-cached-model"], "offline and no cached copy"),
         (["model=hf"], "model.name_or_path"),
+        (["model=hf", f"model.name_or_path={hf_models['gemma2']}", "model.attention=sdpa"], "no SDPA attention"),
+        (
+            ["model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager", "policy=selective"],
+            "computes attention inline",
+        ),
     ):
         r = run_cli(*SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}")
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
+        assert not (tmp_path / "run").exists()  # a refused run leaves no half-written folder

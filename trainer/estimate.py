@@ -186,7 +186,7 @@ class Session:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        with self.fake, self.rules, _real_semantics(self.config):
+        with _one_line_when_unrunnable(), self.fake, self.rules, _real_semantics(self.config):
             yield
 
     def step(self, meter: step_.StepMeter | None = None, on_forward: Callable[[], None] | None = None) -> None:
@@ -203,13 +203,44 @@ class Session:
         )
 
 
-def _real_semantics(config: Config) -> Any:
-    """A library's own rules for fake tensors that differ from its real run (models/hf.py: as_on_real_tensors)."""
-    if config.model.family == "hf":
-        from models.hf import as_on_real_tensors
+@contextlib.contextmanager
+def _real_semantics(config: Config) -> Iterator[None]:
+    """Rules for fake tensors that differ from the real run: CPU kernels whose fake output torch gets wrong (the MoE
+    grouped matmul: trainer/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors)."""
+    from trainer.fake_kernels import cpu_kernel_rules
 
-        return as_on_real_tensors()
-    return contextlib.nullcontext()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_kernel_rules())
+        if config.model.family == "hf":
+            from models.hf import as_on_real_tensors
+
+            stack.enter_context(as_on_real_tensors())
+        yield
+
+
+@contextlib.contextmanager
+def _one_line_when_unrunnable() -> Iterator[None]:
+    """What fake tensors cannot run, as one line that names the op and the model code that called it: an op whose
+    output shape or Python-read value depends on the data (e.g. an MoE layer's eager loop over the experts a batch
+    routed to, rather than transformers' default grouped matmul), or one with no fake kernel."""
+    from torch._subclasses import fake_tensor as ft
+
+    try:
+        yield
+    except (ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException) as e:
+        why = {
+            ft.DynamicOutputShapeException: "its output's shape depends on tensor values, which fake tensors lack",
+            ft.DataDependentOutputException: "it reads a tensor's value in Python, which fake tensors lack",
+        }.get(type(e), "torch has no fake (meta) kernel for it")
+        torch_dir, here = Path(torch.__file__).parent, Path(__file__).parent
+        where = "the model"
+        tb = e.__traceback__
+        while tb is not None:  # the innermost frame outside torch and the trainer: the model's own code
+            path = Path(tb.tb_frame.f_code.co_filename)
+            if not (path.is_relative_to(torch_dir) or path.parent == here):
+                where = f"{tb.tb_frame.f_code.co_qualname} ({path.name}:{tb.tb_lineno})"
+            tb = tb.tb_next
+        raise ConfigError(f"cannot estimate this model on fake tensors: {e.func} in {where}, because {why}") from None
 
 
 def estimate_device(config: Config, device: str | None) -> str:
@@ -766,7 +797,8 @@ def render(
         std = losses.get("standard")
         lines += [
             "",
-            f"loss heads under policy={est.policy} (loss.chunk_tokens={config.loss.chunk_tokens}):",
+            f"loss heads under policy={est.policy} (loss.chunk_tokens="
+            f"{config.loss.chunk_for(config.batch_size * config.seq_len)}):",
             "",
             "| loss | head MiB | activation peak MiB | total MiB | FLOPs × standard |",
             "|---|---:|---:|---:|---:|",

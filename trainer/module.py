@@ -16,7 +16,7 @@ from models import build_model
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.loss import LossConfig, head_loss
 from trainer.policies import Policy, apply_policy, build_policy
-from trainer.schema import ModelConfig, OptimConfig
+from trainer.schema import ConfigError, ModelConfig, OptimConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -63,6 +63,10 @@ class DecoderModule(L.LightningModule):
         self._sharded = False
         self.last_loss: torch.Tensor | None = None
         self.model = build_model(self.model_config, vocab_size, hf_config)
+        try:  # the head must compute the model's own objective (its logit transform), or refuse now
+            self.loss_config.check_transform(self.adapter.logit_transform)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         # Plain dicts only: checkpoints stay loadable with weights_only=True.
         self.save_hyperparameters(
             {
@@ -104,12 +108,11 @@ class DecoderModule(L.LightningModule):
         head than the configured one, as the planner compares them)."""
         x, y = batch
         adapter = self.adapter
-        return head_loss(adapter.hidden(x), adapter.head, y, loss or self.loss_config)
+        return head_loss(adapter.hidden(x), adapter.head, y, loss or self.loss_config, adapter.logit_transform)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V), for inference; training goes through `loss_of`."""
-        adapter = self.adapter
-        return adapter.head(adapter.hidden(idx))
+        return self.adapter.logits(self.adapter.hidden(idx))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss_of(batch)

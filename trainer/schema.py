@@ -196,7 +196,7 @@ class Config:
                 f"give measure.snapshot_step ≤ {steps - 1}"
             )
         tokens = self.batch_size * self.seq_len
-        if self.loss.name != "standard" and self.loss.chunk_tokens > tokens:
+        if self.loss.name != "standard" and self.loss.chunk_tokens is not None and self.loss.chunk_tokens > tokens:
             raise ValueError(
                 f"loss.chunk_tokens={self.loss.chunk_tokens} is larger than the micro-batch's {tokens} tokens "
                 f"(batch_size × seq_len); give loss.chunk_tokens ≤ {tokens}"

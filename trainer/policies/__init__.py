@@ -259,15 +259,16 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
     planned = policy.plan(adapter.n_layer)
     plan = resolve_plan(policy, adapter, planned)
     wanted = planned.treatments
-    if not adapter.has_eager_path and any(policy.treatment_policy(t).recomputes_core for t in wanted):
+    if not adapter.has_attention_seam and any(policy.treatment_policy(t).recomputes_core for t in wanted):
         raise PolicyError(
-            f"policy {policy.cfg.name}: {type(model).__name__} has no eager attention core to recompute (it runs "
-            "only fused kernels); choose op_sac or full for this model"
+            f"policy {policy.cfg.name}: {type(model).__name__} computes attention inline (no swappable attention "
+            "function), so there is no core attention to recompute on its own; choose op_sac or full for this model"
         )
-    if any(seg.group for seg in plan.segments) and not adapter.layers_return_hidden_only:
+    if any(seg.group for seg in plan.segments) and not adapter.layer_output.groupable:
         raise PolicyError(
-            f"policy {policy.cfg.name}: {type(model).__name__}'s layers return more than the hidden states, so "
-            "blocks cannot be grouped into one region; choose full, first_k or per_block for this model"
+            f"policy {policy.cfg.name}: {type(model).__name__}'s decoder loop hands each layer more than the hidden "
+            "states (e.g. router state), so blocks cannot be grouped into one region; choose full, first_k or "
+            "per_block for this model"
         )
     remove_policy(model)
     install_plan(adapter, plan, policy)
@@ -332,29 +333,32 @@ class _GroupRunner:
         self.calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.inside = False
 
-    def forward(self, i: int, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, i: int, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.inside:
             return self.adapter.original_forward(i)(hidden, *args, **kwargs)
         self.calls[i] = (args, kwargs)
+        output = self.adapter.layer_output  # what the loop reads from a layer's return (the tensor, or its [0])
         if i < self.seg.stop - 1:
-            return hidden
+            return output.stand_in(hidden)
         calls = [self.calls.pop(j) for j in range(self.seg.start, self.seg.stop)]
         last = self.adapter.original_forward(i)  # its module call is the one running now
         layers = self.adapter.layers
 
-        def run(x: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor) -> Any:
             self.inside = True
             try:
                 for j, (a, kw) in zip(range(self.seg.start, self.seg.stop), calls, strict=True):
-                    x = (last if j == i else layers[j])(x, *a, **kw)
+                    out = (last if j == i else layers[j])(x, *a, **kw)
+                    x = output.hidden_of(out)
                     if not isinstance(x, torch.Tensor):
                         raise PolicyError(
-                            f"policy {self.tp.cfg.name}: {type(layers[j]).__name__} returns {type(x).__name__}, not "
-                            "the hidden states alone, so its blocks cannot be grouped; choose full or per_block"
+                            f"policy {self.tp.cfg.name}: {type(layers[j]).__name__} returns {type(out).__name__}, "
+                            "not the hidden states its model's loop reads, so its blocks cannot be grouped; choose "
+                            "full or per_block"
                         )
             finally:
                 self.inside = False
-            return x
+            return out
 
         return self.tp.run(run, hidden, self.seg.start)
 
