@@ -50,6 +50,23 @@ def test_a_policy_that_loses_the_dropout_masks_is_caught(capsys: pytest.CaptureF
     assert " at step 0: max |Δgrad| " in lines[0] and "differs: model." in out
 
 
+def test_an_hf_model_is_checked_against_its_own_loss(capsys: pytest.CaptureFixture[str], hf_models: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """For an HF model the check also compares the training loss with the model's own forward (labels=): equal for
+    Cohere, whose forward scales its logits, and caught when the head skips that scale."""
+    from models.adapter import LogitTransform
+    from models.hf import HFAdapter
+
+    args = ["model=hf", f"model.name_or_path={hf_models['cohere']}", "model.attention=eager", *SHRINK]
+    assert main([*args, "policy=full"]) == 0
+    out = capsys.readouterr().out
+    assert "the training loss vs the model's own forward" in out and "equal: every loss" in out
+    monkeypatch.setattr(HFAdapter, "logit_transform", property(lambda self: LogitTransform()))
+    assert main([*args, "policy=full"]) == 1
+    out, err = capsys.readouterr()
+    assert "is not the model's own forward's" in err and len(err.strip().splitlines()) == 1
+
+
 def test_groups_are_layers_or_top_level_parts() -> None:
     assert group_of("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
     assert group_of("transformer.h.0.attn.c_attn.bias") == "transformer.h.0"

@@ -53,3 +53,15 @@ def test_registration_is_idempotent() -> None:
     importlib.reload(trainer.flops)
     assert torch_flop_counter.flop_registry == before
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward in before
+
+
+def test_the_moe_grouped_matmul_counts_its_flops() -> None:
+    """An MoE layer's experts (12 routed tokens over 3 experts, K=8 → N=8): forward 2·M·K·N, and the weight
+    gradient's 2-D × 2-D form, where the groups split the contraction, the same."""
+    from trainer.flops import count_flops
+
+    a, b = torch.randn(12, 8), torch.randn(3, 8, 8)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    assert count_flops(lambda: torch._grouped_mm(a, b, offs=offs)) == 2 * 12 * 8 * 8
+    grad_out = torch.randn(12, 8)
+    assert count_flops(lambda: torch._grouped_mm(a.t(), grad_out, offs=offs)) == 2 * 8 * 12 * 8

@@ -53,6 +53,7 @@ class CheckResult:
     losses: list[tuple[float, float]] = field(default_factory=list)  # (none, policy) per step
     groups: dict[str, Difference] = field(default_factory=dict)
     first_failure: str | None = None
+    own_loss: tuple[float, float] | None = None  # HF: (the project's loss, the model's own forward's), dropout off
 
     @property
     def equal(self) -> bool:
@@ -73,6 +74,28 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     scale = b.double().abs().max().item() or 1.0
     m = diff.max().item() if diff.numel() else 0.0
     return m, m / scale
+
+
+OWN_LOSS_TOLERANCE = 1e-5  # relative: the same cross-entropy summed in another order (fp32)
+
+
+def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any) -> tuple[float, float] | None:
+    """(the project's training loss, the loss the model's own forward computes with labels) on one micro-batch,
+    dropout off, for a Hugging Face model; None for the native families, whose forward is the project's. HF shifts
+    `labels` itself and has no target for the last position, so the project's last target is ignored here."""
+    if module.adapter.family != "hf":
+        return None
+    x, y = batch
+    y = torch.cat([y[:, :-1], torch.full_like(y[:, -1:], -100)], dim=1)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), plugin.forward_context():
+            ours = float(module.loss_of((x, y)))
+            theirs = float(module.model(input_ids=x, labels=x, use_cache=False).loss)
+    finally:
+        module.train(was_training)
+    return ours, theirs
 
 
 def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> CheckResult:
@@ -148,6 +171,10 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     for a, b in zip(ref.state_dict().values(), mod.state_dict().values(), strict=True):
         assert torch.equal(a, b), "the two modules must start from the same weights"
     out = CheckResult(policy.cfg.name, mod.model.activation_plan.describe(), steps, tolerance, tolerance == 0.0)
+    out.own_loss = own_loss(ref, batches[0], plugin)
+    if out.own_loss is not None and abs(out.own_loss[0] - out.own_loss[1]) > OWN_LOSS_TOLERANCE * abs(out.own_loss[1]):
+        out.first_failure = (f"the project's loss {out.own_loss[0]!r} is not the model's own forward's "
+                             f"{out.own_loss[1]!r} (labels=, dropout off)")  # fmt: skip
     names = [n for n, p in mod.model.named_parameters() if p.requires_grad]
     parts = {m: step_.optimizers_of(m) for m in (ref, mod)}
     rng = torch.Generator().manual_seed(config.seed)
@@ -200,6 +227,10 @@ def render(result: CheckResult) -> str:
     for d in result.groups.values():
         lines.append(f"| {d.group} | {d.params} | {d.max_abs:.3g} | {d.max_rel:.3g} |")
     lines.append("")
+    if result.own_loss is not None:
+        ours, theirs = result.own_loss
+        lines.append(f"the training loss vs the model's own forward (labels=, dropout off): {ours:.6f} vs {theirs:.6f}"
+                     f" ({abs(ours - theirs) / max(abs(theirs), 1e-12):.2g} relative)")  # fmt: skip
     if result.equal:
         lines.append(f"equal: every loss and gradient under {result.policy} matches none ({how})")
     else:

@@ -13,6 +13,7 @@ including Lightning's ``measure_flops``, counts the CPU kernel once this module 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,27 @@ def _register_fused_linear_cross_entropy_formula() -> None:
 
 
 _register_fused_linear_cross_entropy_formula()
+
+
+def _register_grouped_mm_formula() -> None:
+    """MoE experts run as one grouped matmul (`aten._grouped_mm`, transformers' default experts path), which has no
+    formula: 2 · (output elements) · (contraction length). Where both operands are 2-D the groups split the
+    contraction instead (the experts' weight gradient: out (G, K, N) from (K, M) · (M, N)), so each output element
+    contracts over its group's share of M only."""
+    op = getattr(_aten, "_grouped_mm", None)
+    if op is None or op in _fc.flop_registry:
+        return
+
+    def formula(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        total = math.prod(out_shape) * a_shape[-1]
+        if len(a_shape) == 2 and len(b_shape) == 2:
+            total //= out_shape[0]
+        return 2 * total
+
+    _fc.register_flop_formula(op)(formula)
+
+
+_register_grouped_mm_formula()
 
 
 def flop_counter() -> _fc.FlopCounterMode:
