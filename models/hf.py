@@ -65,6 +65,12 @@ def model_class(config: Any) -> type:
     return transformers.AutoModelForCausalLM._model_mapping[type(config)]
 
 
+def has_attention_seam(cls: type) -> bool:
+    """Does the family run attention through a function transformers lets us swap (its modeling module's
+    `eager_attention_forward`)? Falcon, Bloom and MPT compute it inline: no core to wrap."""
+    return _eager_function(cls) is not None
+
+
 def attn_implementation(cls: type, attention: str) -> str:
     """What to ask transformers for, or a one-line HFModelError, decided from the class before it is built.
 
@@ -72,7 +78,7 @@ def attn_implementation(cls: type, attention: str) -> str:
     module has `eager_attention_forward`); elsewhere (Falcon, Bloom, MPT compute it inline) transformers' own eager
     implementation, which runs every policy but `selective`. sdpa: only where the family has it."""
     if attention == "eager":
-        return ATTENTION_NAME if _eager_function(cls) is not None else "eager"
+        return ATTENTION_NAME if has_attention_seam(cls) else "eager"
     if not getattr(cls, "_supports_sdpa", False):
         version = _transformers().__version__
         raise HFModelError(f"{cls.__name__} has no SDPA attention in transformers {version}; use "
@@ -315,9 +321,7 @@ class HFAdapter(DecoderAdapter):
 
     @property
     def has_attention_seam(self) -> bool:
-        """Does the family run attention through a function transformers lets us swap (its modeling module's
-        `eager_attention_forward`)? Falcon, Bloom and MPT compute it inline: no core to wrap."""
-        return _eager_function(type(self.model)) is not None
+        return has_attention_seam(type(self.model))
 
     @property
     def layer_output(self) -> LayerOutput:

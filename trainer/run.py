@@ -39,7 +39,7 @@ from trainer import metrics, precision
 from trainer.data import DataError, TextDataModule
 from trainer.memory import MIB
 from trainer.module import DecoderModule
-from trainer.policies import PolicyError, build_policy, policy_params
+from trainer.policies import PolicyError, build_policy, needs_attention_seam, no_seam_refusal, policy_params
 from trainer.progress import sweep_progress
 from trainer.rundir import discard_run_dir, write_json_atomic
 from trainer.schema import Config, ConfigError, TrainerConfig, validate, vocab_for
@@ -128,13 +128,21 @@ def probe_trainer(cfg: Config) -> None:
 
 
 def hf_config_for(cfg: Config) -> Any:
-    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), and the
-    sequence length checked against its positions."""
+    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), the attention
+    implementation and the sequence length checked against what the family has."""
     if cfg.model.family != "hf":
         return None
-    from models.hf import load_config
+    from models.hf import attn_implementation, has_attention_seam, load_config, model_class
 
     hf_config = load_config(str(cfg.model.name_or_path))
+    cls = model_class(hf_config)
+    attn_implementation(cls, cfg.model.attention)  # an attention it lacks: refused before data
+    policy = build_policy(cfg.policy)
+    depth = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer", None)
+    if isinstance(depth, int) and policy.cfg.name != "auto" and not has_attention_seam(cls):
+        policy.check(depth, cfg.model.attention)
+        if needs_attention_seam(policy, depth):  # selective with no core to wrap: before data, as install says it
+            raise no_seam_refusal(policy, cls.__name__)
     limit = max_positions(hf_config)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model.name_or_path}'s {limit} positions; lower seq_len")

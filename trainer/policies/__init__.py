@@ -247,6 +247,18 @@ def resolve_plan(policy: Policy, adapter: DecoderAdapter, planned: Plan | None =
     return planned.replace_treatments(lambda t: policy.treatment_policy(t).effective(attention))
 
 
+def needs_attention_seam(policy: Policy, n_layer: int) -> bool:
+    """Does the policy's plan for n_layer blocks recompute the core attention somewhere (selective)?"""
+    return any(policy.treatment_policy(t).recomputes_core for t in policy.plan(n_layer).treatments)
+
+
+def no_seam_refusal(policy: Policy, model_name: str) -> PolicyError:
+    return PolicyError(
+        f"policy {policy.cfg.name}: {model_name} computes attention inline (no swappable attention function), so "
+        "there is no core attention to recompute on its own; choose op_sac or full for this model"
+    )
+
+
 def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig | str) -> Policy:
     """Install a policy on any model that meets the decoder contract (models/adapter.py).
 
@@ -260,10 +272,7 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
     plan = resolve_plan(policy, adapter, planned)
     wanted = planned.treatments
     if not adapter.has_attention_seam and any(policy.treatment_policy(t).recomputes_core for t in wanted):
-        raise PolicyError(
-            f"policy {policy.cfg.name}: {type(model).__name__} computes attention inline (no swappable attention "
-            "function), so there is no core attention to recompute on its own; choose op_sac or full for this model"
-        )
+        raise no_seam_refusal(policy, type(model).__name__)
     if any(seg.group for seg in plan.segments) and not adapter.layer_output.groupable:
         raise PolicyError(
             f"policy {policy.cfg.name}: {type(model).__name__}'s decoder loop hands each layer more than the hidden "
@@ -378,6 +387,8 @@ __all__ = [
     "check_treatments",
     "checkpointed",
     "install_plan",
+    "needs_attention_seam",
+    "no_seam_refusal",
     "policy_params",
     "remove_policy",
     "resolve_plan",
