@@ -16,6 +16,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from trainer import metrics
+from trainer.errors import RunFailed
 from trainer.rundir import discard_run_dir, write_json_atomic
 from trainer.schema import describe_user_error, register_configs, validate
 
@@ -40,7 +42,7 @@ def main(cfg: DictConfig) -> float | None:
 
         summary = train(config, run_dir, keep_refused=hydra_cfg.mode == RunMode.MULTIRUN)
     except Exception as e:
-        if type(e).__name__ == "RunFailed":  # trainer.run's: the run started, summary.json records how it ended
+        if isinstance(e, RunFailed):  # the run started: summary.json records how it ended
             if hydra_cfg.mode == RunMode.MULTIRUN:  # one bad cell must not stop the sweep
                 logging.getLogger("train").error("job %s %s", hydra_cfg.job.num, e)
                 return None
@@ -58,7 +60,7 @@ def main(cfg: DictConfig) -> float | None:
             discard_run_dir(run_dir)
         _exit_if_user_error(e)
         raise
-    return summary.get("final_val_loss")  # the objective for Hydra sweepers that optimise
+    return summary.get(metrics.FINAL_VAL_LOSS)  # the objective for Hydra sweepers that optimise
 
 
 def _exit_if_user_error(e: Exception) -> None:

@@ -30,16 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from bench._readme import environment
-from trainer import estimate
+from trainer import build, estimate
 from trainer.flops import count_flops
 from trainer.loss import LossConfig
 from trainer.module import DecoderModule
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy
 from trainer.precision import plugin
-from trainer.schema import Config, model_vocab
+from trainer.schema import Config
 from trainer.step import StepMeter, bare_step, optimizers_of
-
-MIB = 2**20
 
 
 class BenchError(ValueError):
@@ -60,14 +58,7 @@ def build_module(config: Config) -> DecoderModule:
     """The run's LightningModule, initialised from `config.seed` as train.py initialises it (policy `none`: the
     benchmarks switch policies with `apply_policy`)."""
     torch.manual_seed(config.seed)
-    return DecoderModule(
-        config.model,
-        "none",
-        config.optim,
-        max_steps=config.trainer.max_steps,
-        loss=config.loss,
-        vocab_size=model_vocab(config),
-    )
+    return build.module(config, "none", hf_config=build.hf_config(config))
 
 
 def model_shape(config: Config) -> tuple[int, str]:

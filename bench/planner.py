@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from bench._readme import README, environment_text, replace_block
-from bench.harness import MIB, BenchError, Harness, Variant, bench_config, quiet_policy_notices
+from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices
 from trainer.loss import LossConfig
+from trainer.memory import MIB
 from trainer.module import param_groups
 from trainer.planner import (
     PeakModel,

@@ -65,7 +65,6 @@ from omegaconf import OmegaConf
 
 from bench._readme import README, ROOT, environment_text, replace_block
 from bench.harness import (
-    MIB,
     BenchError,
     Figures,
     Harness,
@@ -81,6 +80,7 @@ from bench.harness import (
     sync,
 )
 from trainer.loss import LOSSES, LossConfig
+from trainer.memory import MIB
 from trainer.policies import Policy, policy_params
 from trainer.schema import Config, describe_user_error
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from bench._readme import README, environment_text, replace_block
-from bench.harness import MIB, BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
+from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
+from trainer.memory import MIB
 from trainer.policies import policy_params
 from trainer.schema import describe_user_error
 

@@ -9,6 +9,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from trainer import metrics as M
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,7 @@ class NumericGuard(L.Callback):
         norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
         step = trainer.global_step + 1  # the step being taken: the number MeasureCallback logs it under
         for logger in trainer.loggers:
-            logger.log_metrics({"train/grad_norm": norm}, step=step)
+            logger.log_metrics({M.GRAD_NORM: norm}, step=step)
         if math.isfinite(norm):
             return
         loss = getattr(pl_module, "last_loss", None)

@@ -16,13 +16,11 @@ over a bare step, so "estimate = run" compares like with like.
 
 Why not Lightning's ThroughputMonitor: the summary's step time is a median over the steps after warm-up that leaves
 out the steps the live-tensor tracker ran on (it costs Python work per op, so those steps are slower), and
-ThroughputMonitor's rolling averages cannot leave steps out. DeviceStatsMonitor is added beside this callback when
-`measure.device_stats=true`.
+ThroughputMonitor's rolling averages cannot leave steps out.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -32,6 +30,9 @@ import torch
 from trainer import metrics as M
 from trainer.memory import MIB, cuda_memory_counters, reset_cuda_peaks
 from trainer.step import StepMeter
+
+# The tags this callback logs, each optimizer step (the CUDA ones on CUDA only).
+LOGGED = frozenset({M.TRAIN_LOSS, M.TRAIN_LR, M.STEP_MS, M.TOKENS_PER_S, M.ACTIVATION_PEAK, M.PEAK_TOTAL, *M.CUDA_TAGS})
 
 
 class MeasureCallback(L.Callback):
@@ -161,29 +162,20 @@ class MeasureCallback(L.Callback):
             torch.cuda.synchronize()
 
     def summary(self) -> dict[str, Any]:
-        """Medians over the steps after warm-up; tracked steps are left out of the time figures. A run no longer
-        than its warm-up reports over all its steps (`time_includes_warmup`); one whose steps after warm-up were all
+        """The summary figures of the tags this callback logs, reduced as metrics.FROM_TAG says: times (medians)
+        over the steps after warm-up with tracked steps left out, peaks over the steps after warm-up (every tracked
+        step is one, unless the whole run is warm-up), the loss and the count over every step. A run no longer than
+        its warm-up reports over all its steps (`time_includes_warmup`); one whose steps after warm-up were all
         tracked times those (`time_includes_tracked`: the tracker slows a step)."""
-        steady = [r for r in self.records if r["step"] > self.warmup_steps] or self.records
+        after_warmup = [r for r in self.records if r["step"] > self.warmup_steps]
+        steady = after_warmup or self.records
         untracked = [r for r in steady if not r["tracked"]]
-        timed = untracked or steady
-
-        def median(tag: str, rows: list[dict[str, float]]) -> float | None:
-            values = [r[tag] for r in rows if tag in r]
-            return statistics.median(values) if values else None
-
-        def peak(tag: str, rows: list[dict[str, float]]) -> float | None:
-            return max((r[tag] for r in rows if tag in r), default=None)
-
-        return {
-            M.STEPS: len(self.records),
-            M.MEDIAN_STEP_MS: median(M.STEP_MS, timed),
-            M.TOKENS_PER_S_KEY: median(M.TOKENS_PER_S, timed),
-            "time_includes_warmup": bool(self.records) and not any(r["step"] > self.warmup_steps for r in self.records),
-            "time_includes_tracked": bool(steady) and not untracked,
-            M.PEAK_ALLOCATED_KEY: peak(M.PEAK_ALLOCATED, steady),
-            M.PEAK_RESERVED_KEY: peak(M.PEAK_RESERVED, steady),
-            M.ACTIVATION_PEAK_KEY: peak(M.ACTIVATION_PEAK, self.records),
-            M.PEAK_TOTAL_KEY: peak(M.PEAK_TOTAL, steady),
-            M.FINAL_TRAIN_LOSS: self.records[-1][M.TRAIN_LOSS] if self.records else None,
+        rows = {"median": untracked or steady, "max": steady, "last": self.records, "count": self.records}
+        out: dict[str, Any] = {
+            key: M.reduce([r[tag] for r in rows[how] if tag in r], how)
+            for key, (tag, how) in M.FROM_TAG.items()
+            if tag in LOGGED
         }
+        out[M.TIME_INCLUDES_WARMUP] = bool(self.records) and not after_warmup
+        out[M.TIME_INCLUDES_TRACKED] = bool(steady) and not untracked
+        return out

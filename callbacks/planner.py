@@ -26,6 +26,7 @@ import lightning as L
 import torch
 
 from callbacks.measure import MeasureCallback
+from trainer import metrics as M
 from trainer.loss import LossConfig
 from trainer.memory import MIB
 from trainer.planner import (
@@ -97,7 +98,7 @@ class AutoPlanCallback(L.Callback):
         policy.choose(result.treatments)
         apply_policy(model, policy)
         self._use_loss(pl_module, result)
-        self._explain(trainer, result, tag="policy/auto")
+        self._explain(trainer, result, tag=M.AUTO_PLAN_TEXT)
 
     @staticmethod
     def _use_loss(pl_module: L.LightningModule, result: PlanResult) -> None:
@@ -149,7 +150,7 @@ class AutoPlanCallback(L.Callback):
                 # TensorBoard renders text as markdown: keep line breaks outside the tables.
                 experiment.add_text(tag, _markdown(text), global_step=trainer.global_step)
             logger.log_metrics(
-                {"auto/budget_mib": result.budget / MIB, "auto/predicted_peak_mib": result.solution.peak / MIB},
+                {M.AUTO_BUDGET: result.budget / MIB, M.AUTO_PREDICTED_PEAK: result.solution.peak / MIB},
                 step=trainer.global_step,
             )
 
@@ -167,9 +168,9 @@ class AutoPlanCallback(L.Callback):
         for record in fresh:
             if record["step"] < STEADY_STEP:
                 continue
-            if not record.get("tracked") and "time/step_ms" in record:
-                self.step_ms.append(record["time/step_ms"])
-            value = record.get("memory/peak_total_mib")
+            if not record.get("tracked") and M.STEP_MS in record:
+                self.step_ms.append(record[M.STEP_MS])
+            value = record.get(M.PEAK_TOTAL)
             if value is None:
                 continue
             if not self._verified:
@@ -205,7 +206,7 @@ class AutoPlanCallback(L.Callback):
         )
         if not fits:
             log.error(preface)
-        self._explain(trainer, new, tag="policy/auto_replan", preface=preface)
+        self._explain(trainer, new, tag=M.AUTO_REPLAN_TEXT, preface=preface)
 
     # --- the summary ----------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -227,7 +228,7 @@ class AutoPlanCallback(L.Callback):
                 if self.first_plan
                 else None
             )
-        return {"auto": out}
+        return {M.AUTO: out}
 
 
 def _markdown(text: str) -> str:

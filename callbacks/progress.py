@@ -3,14 +3,9 @@
 Lightning's TQDMProgressBar counts micro-batches (`batch_idx + 1`) against a total that, under `max_steps`, is
 `min(batches in the epoch, max_steps - global_step)`: with `accum=8 trainer.max_steps=3` it reads 3/3 after three
 micro-batches, then 4/? ... 24/?. `StepProgressBar` keeps Lightning's bar (validation bar, metrics postfix, the
-description a sweep's `trainer.progress.SweepProgress` sets) and counts what the config speaks: optimizer steps,
+description a sweep's `callbacks.sweep_progress.SweepProgress` sets) and counts what the config speaks: optimizer steps,
 `global_step` out of `trainer.max_steps`, over the whole run (a resumed run starts at its step). A run without
 `max_steps` counts each epoch's optimizer steps.
-
-Wiring (trainer/run.py, where the Trainer's callbacks are listed; a bar needs enable_progress_bar=true):
-
-    if t.enable_progress_bar:
-        callbacks.append(StepProgressBar())
 """
 
 from __future__ import annotations

@@ -22,10 +22,6 @@ gradients + optimizer state): live bytes after every op, each op marked forward,
 Step k is `trainer.global_step` when the step starts (0-based optimizer steps, as `MeasureCallback` counts), all
 its micro-batches included. With several processes each rank writes its own file (`..._rank<r>`).
 
-Wiring (trainer/run.py, `Run.__init__`), config keys `measure.snapshot_step` and `measure.snapshot_on_oom`:
-
-    MemorySnapshot(config.measure.snapshot_step, config.measure.snapshot_on_oom, run_dir)
-
 It may sit anywhere in the callback list: on a step `MeasureCallback` also tracks, its tracker and this one nest
 in either order (this one slips beneath the other's dispatch mode on entry and lifts it to leave).
 """

@@ -24,14 +24,14 @@ LightningModule use. Nothing outside models/ names a model class or reaches into
                                    next layer) means blocks cannot be grouped: every_k and sqrt refuse
     adapter.describe()             family and shape, for summaries and the estimator's header
 
-Two kinds of model meet it: this project's own decoders (models/gpt.py, models/llama.py: `layers`,
-`hidden_states`, `lm_head`, and a `core_attention` method on each layer's `attn`), and Hugging Face causal LMs
-(models/hf.py), whose attention seam is an `AttentionInterface` function.
+Each family registers a FamilySpec (its adapter and builder) from its own module, and this module imports none:
+this project's own decoders share models/native.py's adapter (`layers`, `hidden_states`, `lm_head`, and a
+`core_attention` method on each layer's `attn`); Hugging Face causal LMs (models/hf.py) have theirs, whose attention
+seam is an `AttentionInterface` function.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,68 +174,43 @@ class DecoderAdapter:
         return type(layer).forward.__get__(layer)
 
 
-class NativeAdapter(DecoderAdapter):
-    """This project's decoders: `model.layers`, `model.hidden_states`, `model.lm_head`, `layer.attn.core_attention`."""
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family as it registers itself (in its own module): which models are its, its adapter, and how a
+    config node becomes one of its models. `check` runs the family's own checks on a config node (None: none)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        self.family = type(model).__name__.lower()
+    name: str
+    owns: Callable[[nn.Module], bool]
+    adapter: Callable[[nn.Module], DecoderAdapter]
+    build: Callable[[Any, int | None, Any], nn.Module]  # (config node, tokenizer vocab or None, loaded HF config)
+    check: Callable[[Any], None] | None = None
 
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.model.layers
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx, hidden_only=True)
+FAMILIES: dict[str, FamilySpec] = {}  # the only list of families, filled by each family's module on import
 
-    @property
-    def head(self) -> nn.Linear:
-        return self.model.lm_head
 
-    @property
-    def attention(self) -> str:
-        return self.model.config.attention
+def register_family(spec: FamilySpec) -> FamilySpec:
+    FAMILIES[spec.name] = spec
+    return spec
 
-    def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
-        attn = self.layers[i].attn
-        if wrapper is None:
-            attn.__dict__.pop("core_attention", None)
-            return
-        core = type(attn).core_attention.__get__(attn)  # the class's method: a wrapper never wraps itself
-        attn.core_attention = functools.partial(wrapper, core)
 
-    def describe(self) -> dict[str, Any]:
-        c = self.model.config
-        return {
-            "family": self.family,
-            "n_layer": c.n_layer,
-            "n_embd": c.n_embd,
-            "n_head": c.n_head,
-            "n_kv_head": getattr(c, "n_kv_head", None) or c.n_head,
-            "vocab_size": c.vocab_size,
-            "block_size": c.block_size,
-            "attention": c.attention,
-            "dropout": c.dropout,
-            "tied_head": self.tied_head,
-            "params": self.num_parameters(),
-        }
+def family_of(model: nn.Module) -> FamilySpec:
+    """The family that owns `model`; the latest registered that claims it, so a family whose model subclasses
+    another's (registered after it) is its own."""
+    for spec in reversed(FAMILIES.values()):
+        if spec.owns(model):
+            return spec
+    raise TypeError(
+        f"{type(model).__name__} is of no registered family ({', '.join(FAMILIES)}); a family registers a "
+        "FamilySpec (models/adapter.py) with its adapter to meet the decoder contract"
+    )
 
 
 def adapter_for(model: nn.Module) -> DecoderAdapter:
-    """The contract for `model`: a Hugging Face PreTrainedModel or one of this project's decoders."""
+    """The contract for `model`, from the family that owns it (kept on the model, outside its state_dict)."""
     cached = model.__dict__.get("_decoder_adapter")
     if cached is not None:
         return cached
-    if hasattr(model, "hidden_states") and hasattr(model, "layers") and hasattr(model, "lm_head"):
-        adapter: DecoderAdapter = NativeAdapter(model)
-    elif hasattr(model, "get_output_embeddings") and hasattr(model, "base_model"):
-        from models.hf import HFAdapter
-
-        adapter = HFAdapter(model)
-    else:
-        raise TypeError(
-            f"{type(model).__name__} does not meet the decoder contract (models/adapter.py): it needs decoder "
-            "layers, final hidden states and an output projection"
-        )
+    adapter = family_of(model).adapter(model)
     model.__dict__["_decoder_adapter"] = adapter  # not a submodule, not in state_dict
     return adapter

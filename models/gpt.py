@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.native import register_native
+
 
 @dataclass
 class GPTConfig:
@@ -171,3 +173,6 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
+
+
+register_native("gpt", GPT, GPTConfig)

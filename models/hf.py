@@ -28,13 +28,14 @@ import torch
 from torch import nn
 
 from models import hf_source, hub
-from models.adapter import DecoderAdapter, LayerOutput, LogitTransform, Wrapper
+from models.adapter import DecoderAdapter, FamilySpec, LayerOutput, LogitTransform, Wrapper, register_family
+from models.errors import UserError
 
 ATTENTION_NAME = "ckptlab_eager"
 WRAPPER_ATTR = "ckptlab_core_wrapper"  # set on an attention module by a policy: run its core through this
 
 
-class HFModelError(ValueError):
+class HFModelError(UserError):
     """A model that cannot be loaded or used; the message is one line that names the fix."""
 
 
@@ -277,7 +278,8 @@ class HFAdapter(DecoderAdapter):
 
         def keep(name: str) -> Any:
             def hook(_m: nn.Module, _a: Any, out: Any) -> None:  # returns None: the output stays as it is
-                seen.setdefault(name, out.last_hidden_state)
+                hidden = getattr(out, "last_hidden_state", None)  # a ModelOutput, or (BLT) the tensor itself
+                seen.setdefault(name, hidden if hidden is not None else out[0] if isinstance(out, tuple) else out)
 
             return hook
 
@@ -366,6 +368,27 @@ class HFAdapter(DecoderAdapter):
 def max_positions(config: Any) -> int | None:
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, key, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and value > 0:  # -1 (XLNet): no limit
             return value
     return None
+
+
+def _build(cfg: Any, vocab_size: int | None = None, hf_config: Any = None) -> nn.Module:
+    """model=hf from a config node: its own vocabulary (cfg.vocab_size overrides it, on a copy of the config)."""
+    config = copy.deepcopy(hf_config) if hf_config is not None else load_config(str(cfg.name_or_path))
+    if cfg.vocab_size is not None:  # on a copy: the caller's loaded config stays as it was read
+        config.vocab_size = cfg.vocab_size
+    return load_causal_lm(str(cfg.name_or_path), cfg.pretrained, cfg.attention, cfg.dropout, config=config)
+
+
+def _owns(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # a model of it exists only once it is imported
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _check(cfg: Any) -> None:
+    if not cfg.name_or_path:
+        raise ValueError("model=hf needs model.name_or_path=<hub id or a local folder with config.json>")
+
+
+register_family(FamilySpec("hf", owns=_owns, adapter=HFAdapter, build=_build, check=_check))

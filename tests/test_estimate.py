@@ -131,9 +131,8 @@ def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Cal
 def test_flops_equal_flop_counter_over_a_real_step(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], model: str
 ) -> None:
+    from trainer import build
     from trainer.flops import count_flops
-    from trainer.module import DecoderModule
-    from trainer.run import hf_config_for
 
     config = validate(compose_cfg(*overrides(model, "fp32")))
     session = open_session(config)
@@ -141,8 +140,7 @@ def test_flops_equal_flop_counter_over_a_real_step(
     for name in ("none", "full", "selective", "op_sac"):
         est = measure(session, default_policy(name))
         torch.manual_seed(0)
-        module = DecoderModule(config.model, default_policy(name), config.optim, loss=config.loss, vocab_size=256,
-                               hf_config=hf_config_for(config))  # fmt: skip
+        module = build.module(config, default_policy(name), vocab_size=256, hf_config=build.hf_config(config))
         batch = tuple(torch.randint(0, module.adapter.head.weight.shape[0], (4, 32)) for _ in range(2))
         real = count_flops(lambda m=module, b=batch: m.loss_of(b).backward())
         assert est.flops == real, name

@@ -218,7 +218,7 @@ def test_a_family_without_a_swappable_attention_runs_transformers_own_eager(hf_m
     idx = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(adapter.logits(adapter.hidden(idx)), hf(input_ids=idx).logits)
-    with pytest.raises(PolicyError, match="computes attention inline .* choose op_sac or full") as e:
+    with pytest.raises(PolicyError, match="has no swappable attention function .* choose op_sac or full") as e:
         apply_policy(model, "selective")
     assert "\n" not in str(e.value)
     for policy in ("full", "op_sac", "sqrt", "first_k"):
@@ -242,7 +242,7 @@ def test_selective_on_a_family_computing_attention_inline_leaves_no_folder(
 
     cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager",
                       "policy=selective", *RUN)  # fmt: skip
-    with pytest.raises(PolicyError, match="FalconForCausalLM computes attention inline"):
+    with pytest.raises(PolicyError, match="FalconForCausalLM has no swappable attention function"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -379,7 +379,7 @@ def test_cli_hf_errors_are_one_line(hf_models: dict[str, Path], tmp_path: Path) 
         (["model=hf", f"model.name_or_path={hf_models['gemma2']}", "model.attention=sdpa"], "no SDPA attention"),
         (
             ["model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager", "policy=selective"],
-            "computes attention inline",
+            "has no swappable attention function",
         ),
     ):
         r = run_cli(*SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}")

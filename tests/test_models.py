@@ -130,3 +130,28 @@ def test_gpt_tied_and_untied_heads() -> None:
 def test_the_contract_refuses_a_model_that_is_not_a_decoder() -> None:
     with pytest.raises(TypeError, match="decoder contract"):
         adapter_for(torch.nn.Linear(2, 2))
+
+
+def test_a_new_native_family_is_one_module_that_registers(compose_cfg: Any) -> None:
+    """What the README's extending table says: a family registers itself (here a GPT under another name), and the
+    config, the builder, the contract and a training step take it with no other change."""
+    from models.adapter import FAMILIES
+    from models.gpt import GPT, GPTConfig
+    from models.native import register_native
+    from trainer import build
+    from trainer.schema import validate
+
+    class Toy(GPT):
+        pass
+
+    register_native("toy", Toy, GPTConfig)
+    try:
+        config = validate(compose_cfg("model=micro", "model.family=toy", "policy=full"))
+        module = build.module(config, "full")
+        assert type(module.model) is Toy and module.adapter.family == "toy"
+        assert module.model.activation_plan.describe().endswith(":full")
+        idx = torch.randint(0, 256, (2, 16))
+        module.loss_of((idx, idx)).backward()
+        assert all(p.grad is not None for p in module.parameters())
+    finally:
+        FAMILIES.pop("toy")

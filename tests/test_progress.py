@@ -13,8 +13,8 @@ import lightning as L
 import pytest
 
 from callbacks.progress import StepProgressBar
+from callbacks.sweep_progress import SweepProgress
 from tests.conftest import SMALL, run_cli
-from trainer.progress import SweepProgress
 from trainer.run import train
 
 ACCUM, STEPS = 4, 3

@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from callbacks.tb_layout import tb_layout, write_tb_layout
+from callbacks.sweep_progress import SweepProgress, count_basic_sweep, sweep_position
+from callbacks.tb_logger import tb_layout, write_tb_layout
 from tests.conftest import CONF, SMALL, run_cli
-from trainer.progress import SweepProgress, count_basic_sweep, sweep_position
 from trainer.report import build_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -158,9 +158,9 @@ def test_progress_callback_logs_steps_in_a_run(tmp_path: Path, compose_cfg, capl
     from trainer.run import train
 
     cfg = compose_cfg("trainer.max_steps=4", "accum=2", "trainer.enable_checkpointing=false")
-    with caplog.at_level("INFO", logger="trainer.progress"):
+    with caplog.at_level("INFO", logger="callbacks.sweep_progress"):
         train(cfg, tmp_path, callbacks=[SweepProgress(2, 6, "policy=none", every_n_steps=2)])
-    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "callbacks.sweep_progress"]
     assert lines == [
         "job 2/6 (policy=none): training for 4 steps",
         "job 2/6 step 2/4",
@@ -245,7 +245,7 @@ def test_report_of_a_real_sweep_has_every_number(completed_sweep: tuple[Path, st
 
 @pytest.mark.slow
 def test_sweep_size_is_read_from_the_sweeps_multirun_yaml(completed_sweep: tuple[Path, str]) -> None:
-    from trainer.progress import sweep_size
+    from callbacks.sweep_progress import sweep_size
 
     sweep, _ = completed_sweep
     hydra_cfg = OmegaConf.load(sweep / "multirun.yaml").hydra  # as a job sees it: same sweep dir and sweeper

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from callbacks.tb_layout import SHOWN_HPARAMS, JobTensorBoardLogger, hparams_summaries, tb_layout, write_tb_layout
+from callbacks.tb_logger import SHOWN_HPARAMS, JobTensorBoardLogger, hparams_summaries, tb_layout, write_tb_layout
 from trainer import metrics as M
 from trainer.run import HPARAM_METRICS_FIRST
 
-# Every per-step tag trainer/metrics.py defines (its str constants with a "/": summary keys have none).
-STEP_TAGS = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str) and "/" in v}
+# Every per-step tag trainer/metrics.py defines (its str constants with a "/": summary keys have none; the tags
+# policy=auto logs once, when it plans, are named in PLAN_TAGS).
+STEP_TAGS = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str) and "/" in v} - set(M.PLAN_TAGS)
 TICKED = 5  # TensorBoard's HParams table ticks its first five hparams and its first five metrics
 
 

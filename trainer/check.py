@@ -28,7 +28,7 @@ import torch
 
 from trainer import precision as precision_
 from trainer import step as step_
-from trainer.schema import ConfigError, OneLineParser, vocab_for
+from trainer.schema import ConfigError, OneLineParser
 
 
 @dataclass
@@ -100,13 +100,12 @@ def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any)
 
 def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> CheckResult:
     """Compare `steps` steps of config.policy with `none` from the same weights and batches (see the module doc)."""
-    from trainer.data import TextDataModule
+    from trainer import build
     from trainer.module import DecoderModule
-    from trainer.planner import config_device, default_optimizer, head_candidates, plan_model
+    from trainer.planner import default_optimizer, head_candidates, plan_model
     from trainer.policies import apply_policy, build_policy
-    from trainer.run import hf_config_for
 
-    device = config_device(config)
+    device = torch.device(build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
     compiled = bool(config.trainer.compile)
     if tolerance is None:
@@ -114,16 +113,8 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     policy = build_policy(config.policy)
     if config.model.family != "hf" or policy.cfg.name == "auto":  # refused before any data is read
         policy.check(config.model.n_layer or 0, config.model.attention)  # (auto's budget needs no depth)
-    hf_config = hf_config_for(config)
-    data = TextDataModule(
-        config.data,
-        seq_len=config.seq_len,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
-    )
-    data.prepare_data()
-    data.setup("fit")
+    hf_config = build.hf_config(config)
+    data = build.data_module(config)
     loader = data.train_dataloader()
     if steps * config.accum > len(loader):
         raise ConfigError(
@@ -133,22 +124,14 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * config.accum), strict=False)]
     plugin = precision_.plugin(chosen, device.type)
 
-    def build(p: Any) -> DecoderModule:
+    def build_one(p: Any) -> DecoderModule:
         torch.manual_seed(config.seed)
-        m = DecoderModule(
-            config.model,
-            p,
-            config.optim,
-            max_steps=config.trainer.max_steps,
-            loss=config.loss,
-            vocab_size=vocab_for(config, data.vocab_size),
-            hf_config=hf_config,
-        )
+        m = build.module(config, p, vocab_size=build.vocab(config, data), hf_config=hf_config)
         m = plugin.convert_module(m).to(device)
         m.train()
         return m
 
-    ref, mod = build("none"), build(policy)
+    ref, mod = build_one("none"), build_one(policy)
     if policy.cfg.name == "auto":
         optimizer = default_optimizer(config.optim.weight_decay)
         result = plan_model(
@@ -190,7 +173,11 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
                 torch.cuda.manual_seed_all(seed)
 
             def keep(m: Any = m, k: int = k, out: dict[int, list[torch.Tensor]] = grads) -> None:
-                out[k] = [p.grad.detach().clone() for p in m.model.parameters() if p.requires_grad]
+                out[k] = [  # a parameter no token reached (an expert none routed to) has no gradient: zeros
+                    torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                    for p in m.model.parameters()
+                    if p.requires_grad
+                ]
 
             loss = step_.bare_step(m, micro, opt, sched, plugin, config.trainer.grad_clip, before_update=keep)
             losses.append(float(loss))
@@ -254,8 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tolerance is not None and (args.tolerance < 0 or math.isnan(args.tolerance)):
         parser.error(f"--tolerance {args.tolerance} must be ≥ 0")
 
-    from trainer.estimate import compose_config
-    from trainer.schema import describe_user_error
+    from trainer.schema import compose_config, describe_user_error
 
     try:
         config = compose_config(args.overrides)

@@ -38,7 +38,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from models import hub
+from trainer.errors import DataError
 from trainer.schema import DataConfig  # the `data` node of the config schema
+from trainer.text import one_line
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +58,6 @@ BINARY_SNIFF_BYTES = 8192
 # Documents are cut into pieces of at most this many characters before tokenization, so one huge
 # local file still gets a moving progress bar and bounded per-batch memory.
 PIECE_CHARS = 1 << 18
-
-
-class DataError(ValueError):
-    """A user-facing data problem; the message is one line that names the fix."""
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """Exception text collapsed to one line, because DataError messages must stay single-line."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
@@ -208,7 +200,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
                 ds = load()
         except Exception as exc:
             raise DataError(
-                f"cannot load hub dataset {where} offline and no cached copy: {_one_line(exc)}; "
+                f"cannot load hub dataset {where} offline and no cached copy: {one_line(exc, 300)}; "
                 f"run once online to cache it or {local_fix}"
             ) from exc
     elif Path(name).exists():
@@ -216,7 +208,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
         try:
             ds = load()
         except Exception as exc:
-            raise DataError(f"cannot load dataset {where}: {_one_line(exc)}; check data.name") from exc
+            raise DataError(f"cannot load dataset {where}: {one_line(exc, 300)}; check data.name") from exc
     else:
         ok, endpoint = hub.reachable()
         if ok:
@@ -224,7 +216,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
                 ds = load()
             except Exception as exc:
                 raise DataError(
-                    f"cannot load hub dataset {where}: {_one_line(exc)}; "
+                    f"cannot load hub dataset {where}: {one_line(exc, 300)}; "
                     "check data.name, data.config_name and data.split"
                 ) from exc
         else:
@@ -235,7 +227,7 @@ def _hub_docs(cfg: DataConfig) -> list[str]:
             except Exception as exc:
                 raise DataError(
                     f"hub {endpoint} is unreachable and there is no cached copy of {where}: "
-                    f"{_one_line(exc)}; {local_fix}"
+                    f"{one_line(exc, 300)}; {local_fix}"
                 ) from exc
 
     if not isinstance(ds, datasets.Dataset):

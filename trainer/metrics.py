@@ -1,7 +1,11 @@
 """Metric tag names and summary keys, defined once: the measuring callbacks log them, the run writes them to
-summary.json and HParams, the report reads them back, and the TensorBoard layout charts them."""
+summary.json and HParams, the report reads them back, and the TensorBoard layout charts them. Also how a run's
+per-step values reduce to its summary figures (FROM_TAG, `reduce`), which the callback and the report share."""
 
 from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
 
 # TensorBoard scalars, one point per optimizer step.
 TRAIN_LOSS = "train/loss"
@@ -18,6 +22,13 @@ VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 CUDA_TAGS = (PEAK_ALLOCATED, PEAK_RESERVED, ALLOC_RETRIES)  # logged only where there is a CUDA device
 
+# policy=auto (callbacks/planner.py), logged when it plans, not per step: two scalars and the plan as text.
+AUTO_BUDGET = "auto/budget_mib"
+AUTO_PREDICTED_PEAK = "auto/predicted_peak_mib"
+AUTO_PLAN_TEXT = "policy/auto"
+AUTO_REPLAN_TEXT = "policy/auto_replan"
+PLAN_TAGS = (AUTO_BUDGET, AUTO_PREDICTED_PEAK, AUTO_PLAN_TEXT, AUTO_REPLAN_TEXT)  # not per step: charted nowhere
+
 # summary.json keys of the run's figures (and, as hparam_tag(key), the HParams tab's metric columns)
 STEPS = "steps"
 MEDIAN_STEP_MS = "median_step_ms"
@@ -28,6 +39,10 @@ PEAK_ALLOCATED_KEY = "peak_allocated_mib"
 PEAK_RESERVED_KEY = "peak_reserved_mib"
 FINAL_TRAIN_LOSS = "final_train_loss"
 FINAL_VAL_LOSS = "final_val_loss"
+FINAL_VAL_PPL = "final_val_ppl"
+TIME_INCLUDES_WARMUP = "time_includes_warmup"  # the run was no longer than its warm-up: its times include it
+TIME_INCLUDES_TRACKED = "time_includes_tracked"  # every step after warm-up was tracked: its times include those
+AUTO = "auto"  # policy=auto's plan, predicted and measured figures (callbacks/planner.py)
 SUMMARY_FIGURES = (
     STEPS,
     ACTIVATION_PEAK_KEY,
@@ -39,8 +54,8 @@ SUMMARY_FIGURES = (
     FINAL_VAL_LOSS,
 )
 
-# summary key -> the tag it is made from and how a run's steps reduce to it (the report's fallback for a job that
-# left no summary figure, and the callback's own reduction)
+# summary key -> the tag it is made from and how a run's steps reduce to it (`reduce`): the measuring callback's
+# summary, and the report's fallback for a job that left no summary figure
 FROM_TAG = {
     ACTIVATION_PEAK_KEY: (ACTIVATION_PEAK, "max"),
     PEAK_TOTAL_KEY: (PEAK_TOTAL, "max"),
@@ -53,8 +68,24 @@ FROM_TAG = {
     STEPS: (TRAIN_LOSS, "count"),
 }
 
+
+def reduce(values: Sequence[float], how: str) -> float | int | None:
+    """One figure of a run's per-step values, reduced as FROM_TAG says; None when there are none (a count: 0)."""
+    if how == "count":
+        return len(values)
+    if not values:
+        return None
+    if how == "max":
+        return max(values)
+    if how == "median":
+        return statistics.median(values)
+    if how == "last":
+        return values[-1]
+    raise ValueError(f"unknown reduction {how!r}; choose max, median, last or count")
+
+
 # What a sweep varies, in this order: the first keys of a run's HParams entry (TensorBoard's table shows them by
-# name, those callbacks/tb_layout.SHOWN_HPARAMS marks first).
+# name, those callbacks/tb_logger.SHOWN_HPARAMS marks first).
 HPARAM_ORDER = ("policy", "loss", "accum", "batch_size", "precision", "model")
 
 # The HParams tab's metric columns are scalars, so TensorBoard's Time Series shows them too, as one-point cards. It

@@ -14,6 +14,7 @@ from torch import nn
 
 from models import build_model
 from models.adapter import DecoderAdapter, adapter_for
+from trainer import metrics as M
 from trainer.loss import LossConfig, head_loss
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.schema import ConfigError, ModelConfig, OptimConfig
@@ -136,8 +137,8 @@ class DecoderModule(L.LightningModule):
         if not self._val_batches:
             return
         val_loss = self._val_loss_sum / self._val_batches
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
-        self.log("val/ppl", torch.exp(val_loss), sync_dist=True)
+        self.log(M.VAL_LOSS, val_loss, prog_bar=True, sync_dist=True)
+        self.log(M.VAL_PPL, torch.exp(val_loss), sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning restores weights, optimizer, schedule and loop counters; the RNG that draws dropout masks is

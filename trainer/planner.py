@@ -56,7 +56,6 @@ from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.memory import MIB, LiveTensorTracker
 from trainer.policies import POLICIES, Plan, PolicyError, build_policy, install_plan, remove_policy
-from trainer.schema import model_vocab
 
 log = logging.getLogger(__name__)
 # Lightning's per-step scalars (the closure's loss / accum, logged values, norms) that a bare loop does not make:
@@ -1238,11 +1237,6 @@ def default_optimizer(weight_decay: float = 0.1) -> Callable[[list[dict[str, Any
     return lambda groups: torch.optim.AdamW(groups, lr=0.0, weight_decay=weight_decay)
 
 
-def config_device(config: Any) -> torch.device:
-    accel = config.trainer.accelerator
-    return torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
-
-
 def head_candidates(module: Any, cfg: Any) -> dict[str, Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
     """{loss head: the module's training forward under it}: the module's configured head first, then each of
     `cfg.loss_candidates` (auto's) with the same chunk size."""
@@ -1261,13 +1255,14 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
     """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
     configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (trainer.estimate's
     session), so a model of any size is planned without its memory: bytes are as measured, times are FLOPs."""
-    from trainer.module import DecoderModule, param_groups
+    from trainer import build
+    from trainer.module import param_groups
 
     policy = build_policy(config.policy)
     if policy.cfg.name != "auto":
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
     if fake:
-        from trainer.estimate import open_session
+        from trainer.session import open_session
 
         session = open_session(config, None if device is None else torch.device(device).type)
         with contextlib.closing(session), session.active():
@@ -1286,13 +1281,13 @@ def plan_result_for_config(config: Any, device: torch.device | str | None = None
                 param_groups=param_groups(module.model, config.optim.weight_decay),
                 grad_clip=config.trainer.grad_clip,
             )
-    device = torch.device(device) if device is not None else config_device(config)
+    device = torch.device(device if device is not None else build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
-    vocab = model_vocab(config)
+    hf_config = build.hf_config(config)
     cpu = torch.get_rng_state()
     try:
         torch.manual_seed(config.seed)
-        module = DecoderModule(config.model, "none", config.optim, loss=config.loss, vocab_size=vocab)
+        module = build.module(config, "none", hf_config=hf_config)
         module = precision_.plugin(chosen, device.type).convert_module(module).to(device)
         vocab = module.adapter.head.weight.shape[0]
         g = torch.Generator().manual_seed(config.seed)

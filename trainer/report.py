@@ -35,24 +35,23 @@ import yaml
 from trainer import metrics as M
 from trainer.loss import LOSSES
 from trainer.policies import POLICIES
+from trainer.text import markdown_table as _table
 
 STATUS_ORDER = ("completed", "oom", "error", "interrupted", "missing")
 
 METRICS = {
-    "peak_allocated_mib": "CUDA peak allocated",
-    "peak_total_mib": "whole-step peak",
-    "activation_peak_mib": "activation peak",
+    M.PEAK_ALLOCATED_KEY: "CUDA peak allocated",
+    M.PEAK_TOTAL_KEY: "whole-step peak",
+    M.ACTIVATION_PEAK_KEY: "activation peak",
 }
 METRIC_NOTES = {
-    "peak_allocated_mib": "torch.cuda.max_memory_allocated over a step, after warm-up (GPU)",
-    "peak_total_mib": "every live tensor at the step's peak — weights, gradients, optimizer state, activations; "
+    M.PEAK_ALLOCATED_KEY: "torch.cuda.max_memory_allocated over a step, after warm-up (GPU)",
+    M.PEAK_TOTAL_KEY: "every live tensor at the step's peak — weights, gradients, optimizer state, activations; "
     "the allocator's peak on CUDA, the live-tensor tracker's on tracked CPU steps",
-    "activation_peak_mib": "live tensors of one micro-batch's forward+backward above what was live before it, "
+    M.ACTIVATION_PEAK_KEY: "live tensors of one micro-batch's forward+backward above what was live before it, "
     "gradients excluded (measured on any device; on CPU the only per-policy memory figure)",
 }
 FIGURES = M.SUMMARY_FIGURES
-# summary key -> TensorBoard tag and how a job's steps reduce to one figure, for jobs whose summary lacks it
-FROM_EVENTS = M.FROM_TAG
 
 
 @dataclass(eq=False)  # a job is itself: compared by identity
@@ -73,7 +72,7 @@ class Job:
     error: str | None = None
     figures: dict[str, float | None] = field(default_factory=dict)
     from_events: list[str] = field(default_factory=list)  # figures filled from the events, not the summary
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # "train/loss", "val/loss"
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metrics.TRAIN_LOSS, VAL_LOSS
     baseline: Job | None = None
     baseline_exact: bool = False
     mem_ratio: float | None = None
@@ -174,17 +173,12 @@ def read_job(path: Path, root: Path) -> Job:
 
     scalars = read_scalars(path)
     job.curves = {tag: scalars[tag] for tag in (M.TRAIN_LOSS, M.VAL_LOSS) if tag in scalars}
-    for key, (tag, how) in FROM_EVENTS.items():
+    for key, (tag, how) in M.FROM_TAG.items():  # figures the summary lacks, from the events
         if job.figures.get(key) is None and scalars.get(tag):
             values = [v for _, v in scalars[tag]]
-            if how == "max":
-                job.figures[key] = max(values)
-            elif how == "median":
-                job.figures[key] = statistics.median(values[1:] or values)  # leave the first (warm-up) step out
-            elif how == "last":
-                job.figures[key] = values[-1]
-            else:
-                job.figures[key] = float(len(values))
+            if how == "median":
+                values = values[1:] or values  # leave the first (warm-up) step out
+            job.figures[key] = float(M.reduce(values, how) or 0)  # values is not empty: never None
             job.from_events.append(key)
     warmup = (cfg.get("measure") or {}).get("warmup_steps", 3) if isinstance(cfg.get("measure"), dict) else 3
     job.step_ms_spread = step_time_spread(scalars, int(warmup) if isinstance(warmup, int) else 3)
@@ -259,11 +253,11 @@ def choose_metric(jobs: list[Job], metric: str = "auto") -> str:
             raise ValueError(f"--metric {metric!r}; choose one of: auto, {', '.join(METRICS)}")
         return metric
     done = [j for j in jobs if j.status == "completed"] or jobs
-    if any(j.get("peak_allocated_mib") is not None for j in done):
-        return "peak_allocated_mib"
-    if done and all(j.get("peak_total_mib") is not None for j in done):
-        return "peak_total_mib"
-    return "activation_peak_mib"
+    if any(j.get(M.PEAK_ALLOCATED_KEY) is not None for j in done):
+        return M.PEAK_ALLOCATED_KEY
+    if done and all(j.get(M.PEAK_TOTAL_KEY) is not None for j in done):
+        return M.PEAK_TOTAL_KEY
+    return M.ACTIVATION_PEAK_KEY
 
 
 def attach_baselines(jobs: list[Job], metric: str) -> None:
@@ -281,7 +275,7 @@ def attach_baselines(jobs: list[Job], metric: str) -> None:
         if base is None:
             continue
         job.mem_ratio = _ratio(job.get(metric), base.get(metric))
-        job.time_ratio = _ratio(job.get("median_step_ms"), base.get("median_step_ms"))
+        job.time_ratio = _ratio(job.get(M.MEDIAN_STEP_MS), base.get(M.MEDIAN_STEP_MS))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -296,9 +290,9 @@ def best_within(jobs: list[Job], budget_mib: float, metric: str) -> Job | None:
         if j.status == "completed"
         and j.get(metric) is not None
         and j.get(metric) <= budget_mib  # type: ignore[operator]
-        and j.get("tokens_per_s") is not None
+        and j.get(M.TOKENS_PER_S_KEY) is not None
     ]
-    return max(fits, key=lambda j: j.get("tokens_per_s") or 0.0, default=None)
+    return max(fits, key=lambda j: j.get(M.TOKENS_PER_S_KEY) or 0.0, default=None)
 
 
 def budget_line(jobs: list[Job], budget_mib: float, metric: str) -> str:
@@ -307,7 +301,7 @@ def budget_line(jobs: list[Job], budget_mib: float, metric: str) -> str:
     if best is not None:
         return (
             f"Best within {budget_mib:g} MiB of {what}: **{best.policy}** at micro-batch {best.batch_size} × accum "
-            f"{best.accum} ({best.precision}) — {_fmt(best.get('tokens_per_s'), 0)} tokens/s, "
+            f"{best.accum} ({best.precision}) — {_fmt(best.get(M.TOKENS_PER_S_KEY), 0)} tokens/s, "
             f"{_fmt(best.get(metric), 2)} MiB (job {best.ident})"
         )
     measured = [j for j in jobs if j.status == "completed" and j.get(metric) is not None]
@@ -329,10 +323,10 @@ def _fmt(x: float | None, digits: int) -> str:
 
 def columns(jobs: list[Job]) -> list[tuple[str, str, int]]:
     """(header, figure key, digits) of the numeric columns; the whole-step peak column only where measured."""
-    cols = [("act. peak MiB", "activation_peak_mib", 2), ("peak alloc MiB", "peak_allocated_mib", 1)]  # "—": no CUDA
-    if any(j.get("peak_total_mib") is not None for j in jobs):
-        cols.append(("step peak MiB", "peak_total_mib", 1))
-    cols += [("step ms", "median_step_ms", 1), ("tokens/s", "tokens_per_s", 0)]
+    cols = [("act. peak MiB", M.ACTIVATION_PEAK_KEY, 2), ("peak alloc MiB", M.PEAK_ALLOCATED_KEY, 1)]  # "—": no CUDA
+    if any(j.get(M.PEAK_TOTAL_KEY) is not None for j in jobs):
+        cols.append(("step peak MiB", M.PEAK_TOTAL_KEY, 1))
+    cols += [("step ms", M.MEDIAN_STEP_MS, 1), ("tokens/s", M.TOKENS_PER_S_KEY, 0)]
     return cols
 
 
@@ -351,17 +345,17 @@ def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
             str(j.accum) if j.accum is not None else "—",
             j.precision or "—",
             j.status if not j.from_events else f"{j.status}†",
-            _fmt(j.get("steps"), 0),
+            _fmt(j.get(M.STEPS), 0),
         ]
         cells = {key: _fmt(j.get(key), digits) for _, key, digits in cols}
-        if j.get("median_step_ms") is not None and j.step_ms_spread is not None:
-            cells["median_step_ms"] += f" ±{50 * j.step_ms_spread:.0f}%"
+        if j.get(M.MEDIAN_STEP_MS) is not None and j.step_ms_spread is not None:
+            cells[M.MEDIAN_STEP_MS] += f" ±{50 * j.step_ms_spread:.0f}%"
         row += [cells[key] for _, key, _ in cols]
         row += [
             f"{j.mem_ratio:.2f}×{mark}" if j.mem_ratio is not None else "—",
             f"{j.time_ratio:.2f}×{mark}" if j.time_ratio is not None else "—",
-            _fmt(j.get("final_train_loss"), 3),
-            _fmt(j.get("final_val_loss"), 3),
+            _fmt(j.get(M.FINAL_TRAIN_LOSS), 3),
+            _fmt(j.get(M.FINAL_VAL_LOSS), 3),
         ]
         rows.append(row)
     return header, rows
@@ -370,10 +364,7 @@ def table_rows(jobs: list[Job]) -> tuple[list[str], list[list[str]]]:
 def markdown_table(jobs: list[Job]) -> str:
     header, rows = table_rows(jobs)
     text = {1, 2, 5, 6}  # policy, loss, precision, status: left; numbers right
-    align = ["---" if i in text else "---:" for i in range(len(header))]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return _table(header, rows, ["l" if i in text else "r" for i in range(len(header))])
 
 
 CSV_FIELDS = (
@@ -458,7 +449,7 @@ def point_positions(jobs: list[Job], metric: str) -> tuple[dict[int, tuple[float
     where = {}
     at_edge = 0
     for j in jobs:
-        x, y = j.get(metric), j.get("tokens_per_s")
+        x, y = j.get(metric), j.get(M.TOKENS_PER_S_KEY)
         if x is None:  # side by side along the edge rather than on top of each other
             x, at_edge = edge * (1 + 0.025 * at_edge), at_edge + 1
         where[id(j)] = (x, 0.0 if y is None else y)
@@ -482,7 +473,7 @@ def plot_pareto(jobs: list[Job], metric: str, path: Path, title: str = "") -> in
     splits = sorted({(j.batch_size, j.accum) for j in jobs}, key=lambda s: (-(s[0] or 0), s[1] or 0))
     markers = {s: SPLIT_MARKERS[i % len(SPLIT_MARKERS)] for i, s in enumerate(splits)}
     where, edge, edge_used = point_positions(jobs, metric)
-    done = [j for j in jobs if j.status == "completed" and j.get(metric) is not None and j.get("tokens_per_s")]
+    done = [j for j in jobs if j.status == "completed" and j.get(metric) is not None and j.get(M.TOKENS_PER_S_KEY)]
     done_ids = {id(j) for j in done}
     n = 0
     ax.set_xlim(left=0, right=max(x for x, _ in where.values()) * 1.06 if edge_used else edge)
@@ -568,10 +559,10 @@ def plot_losses(jobs: list[Job], path: Path, title: str = "") -> int:
     for i, j in enumerate(with_curves):
         color = cmap(i % cmap.N)
         label = f"{j.ident}: {j.label}" + ("" if j.status == "completed" else f" ({j.status})")
-        if train := j.curves.get("train/loss"):
+        if train := j.curves.get(M.TRAIN_LOSS):
             ax.plot(*zip(*train, strict=True), color=color, lw=1.2, label=label)
             lines += 1
-        if val := j.curves.get("val/loss"):
+        if val := j.curves.get(M.VAL_LOSS):
             ax.plot(
                 *zip(*val, strict=True),
                 color=color,

@@ -33,32 +33,23 @@ from callbacks.measure import MeasureCallback
 from callbacks.planner import AutoPlanCallback
 from callbacks.progress import StepProgressBar
 from callbacks.snapshot import MemorySnapshot
-from callbacks.tb_layout import JobTensorBoardLogger, micro, write_tb_layout
-from models.hf import HFModelError, max_positions
-from trainer import metrics, precision
-from trainer.data import DataError, TextDataModule
+from callbacks.sweep_progress import sweep_progress
+from callbacks.tb_logger import JobTensorBoardLogger, micro, write_tb_layout
+from trainer import build, metrics, precision
+from trainer.data import TextDataModule
+from trainer.errors import RunFailed, UserError
 from trainer.memory import MIB
 from trainer.module import DecoderModule
-from trainer.policies import PolicyError, build_policy, needs_attention_seam, no_seam_refusal, policy_params
-from trainer.progress import sweep_progress
+from trainer.policies import build_policy, policy_params
 from trainer.rundir import discard_run_dir, write_json_atomic
-from trainer.schema import Config, ConfigError, TrainerConfig, validate, vocab_for
+from trainer.schema import Config, ConfigError, TrainerConfig, validate
+from trainer.text import one_line
 
 log = logging.getLogger(__name__)
 # Lightning gives its logger a console handler of its own; under Hydra the root logger already prints and
 # writes train.log, so without this every Lightning message appears twice.
 if logging.getLogger().hasHandlers():
     logging.getLogger("lightning").handlers.clear()
-
-USER_ERRORS = (ConfigError, PolicyError, DataError, HFModelError)
-
-
-class RunFailed(RuntimeError):
-    """The run started and then failed; summary.json holds `status` ("oom" | "error") and what it reached."""
-
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -67,23 +58,12 @@ def is_out_of_memory(e: BaseException) -> bool:
     )
 
 
-def one_line(e: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def run_device_type(cfg: Config) -> str:
-    """The device type Lightning will train on (trainer.accelerator=auto takes CUDA where there is one)."""
-    cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-    return "cuda" if cuda else "cpu"
-
-
 def preflight(cfg: Config, run_dir: Path) -> Path | None:
     """Refuse what the device, the folder or the checkpoint cannot do, before any data is read; settle
     `precision=auto` (cfg.precision becomes what will run; one line says why).
 
     Returns the checkpoint to resume from, already proven loadable."""
-    device = run_device_type(cfg)
+    device = build.train_device(cfg)
     chosen, why = precision.resolve(cfg.precision, device)
     if cfg.precision == "auto":
         log.info(why)
@@ -125,28 +105,6 @@ def probe_trainer(cfg: Config) -> None:
             raise
         reason = one_line(e).replace("`", "").rstrip(".")
         raise ConfigError(f"trainer: Lightning refuses it: {reason}; see conf/trainer/ for the options") from None
-
-
-def hf_config_for(cfg: Config) -> Any:
-    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), the attention
-    implementation and the sequence length checked against what the family has."""
-    if cfg.model.family != "hf":
-        return None
-    from models.hf import attn_implementation, has_attention_seam, load_config, model_class
-
-    hf_config = load_config(str(cfg.model.name_or_path))
-    cls = model_class(hf_config)
-    attn_implementation(cls, cfg.model.attention)  # an attention it lacks: refused before data
-    policy = build_policy(cfg.policy)
-    depth = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer", None)
-    if isinstance(depth, int) and policy.cfg.name != "auto" and not has_attention_seam(cls):
-        policy.check(depth, cfg.model.attention)
-        if needs_attention_seam(policy, depth):  # selective with no core to wrap: before data, as install says it
-            raise no_seam_refusal(policy, cls.__name__)
-    limit = max_positions(hf_config)
-    if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model.name_or_path}'s {limit} positions; lower seq_len")
-    return hf_config
 
 
 def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
@@ -232,30 +190,13 @@ def train(
         if config.model.family != "hf":
             policy.check(config.model.n_layer, config.model.attention)
         resume_from = preflight(config, run_dir)
-        hf_config = hf_config_for(config)
+        hf_config = build.hf_config(config)
         L.seed_everything(config.seed, workers=True, verbose=False)
-        data = TextDataModule(
-            config.data,
-            seq_len=config.seq_len,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
-        )
-        data.prepare_data()
-        data.setup("fit")
-        module = DecoderModule(
-            config.model,
-            policy,
-            config.optim,
-            max_steps=config.trainer.max_steps,
-            compile=config.trainer.compile,
-            loss=config.loss,
-            vocab_size=vocab_for(config, data.vocab_size),
-            hf_config=hf_config,
-        )
+        data = build.data_module(config)
+        module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=hf_config)
         run = Run(config, run_dir, data, module, callbacks or [])
         return run.fit(resume_from)  # policy=auto may still refuse here, at fit start, before a step is taken
-    except USER_ERRORS:
+    except UserError:
         if not keep_refused:
             discard_run_dir(run_dir)
         raise
@@ -299,7 +240,7 @@ class Run:
             callbacks.append(StepProgressBar())  # counts optimizer steps out of max_steps, not micro-batches
         # Events in the run folder itself: `tensorboard --logdir <sweep>` names each run by its job.
         self.logger = JobTensorBoardLogger(run_dir)
-        write_tb_layout(self.logger.experiment, run_device_type(config))  # Custom Scalars for this device
+        write_tb_layout(self.logger.experiment, build.train_device(config))  # Custom Scalars for this device
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=config.accum,
@@ -347,7 +288,7 @@ class Run:
             with host_memory_limit(config.trainer.host_memory_limit_mib):
                 self.trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True if ckpt else None)
                 final = self.trainer.validate(module, datamodule=data, verbose=False)
-        except USER_ERRORS:
+        except UserError:
             raise
         except BaseException as e:
             status = "oom" if is_out_of_memory(e) else "error"
@@ -360,7 +301,7 @@ class Run:
             if status == "interrupted":
                 raise
             raise RunFailed(status, f"{status} at step {self.trainer.global_step}: {reason}") from e
-        val_loss = final[0].get("val/loss") if final else None
+        val_loss = final[0].get(metrics.VAL_LOSS) if final else None
         ranks = self.per_rank()
         return self._finish(
             {
@@ -368,8 +309,8 @@ class Run:
                 "status": "completed",
                 **self.measure.summary(),
                 **self.auto_summary(),
-                "final_val_loss": val_loss,
-                "final_val_ppl": math.exp(val_loss) if val_loss is not None else None,
+                metrics.FINAL_VAL_LOSS: val_loss,
+                metrics.FINAL_VAL_PPL: math.exp(val_loss) if val_loss is not None else None,
                 "skipped_steps": self.guard.skipped_steps,
                 **({"per_rank": ranks} if ranks else {}),
             }
@@ -410,7 +351,7 @@ class Run:
         trainer = self.trainer
         if trainer.world_size == 1:
             return []
-        act = self.measure.summary()["activation_peak_mib"]
+        act = self.measure.summary()[metrics.ACTIVATION_PEAK_KEY]
         with torch.no_grad():
             # Full tensors under FSDP2 (DTensor shards are gathered), plain ones under DDP.
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.module.parameters()]
@@ -421,7 +362,7 @@ class Run:
         )
         gathered = trainer.strategy.all_gather(local).cpu()  # (world, 2)
         return [
-            {"rank": r, "activation_peak_mib": None if math.isnan(a) else float(a), "param_checksum": float(c)}
+            {"rank": r, metrics.ACTIVATION_PEAK_KEY: None if math.isnan(a) else float(a), "param_checksum": float(c)}
             for r, (a, c) in enumerate(gathered.tolist())
         ]
 
@@ -438,7 +379,7 @@ class Run:
 def hparams(config: Config, status: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a sweep varies, flat, for TensorBoard's HParams tab: the columns a sweep compares first (policy, loss,
     accum, micro-batch, precision, model; metrics.HPARAM_ORDER), then `micro` (batch_size x accum in one column:
-    TensorBoard ticks five hparams, callbacks/tb_layout.py), status (failed jobs stay in the table), then the shape.
+    TensorBoard ticks five hparams, callbacks/tb_logger.py), status (failed jobs stay in the table), then the shape.
     `model`: the built model's `describe()` (an HF model's shape comes from its config)."""
     m = config.model
     shape = model or {"n_layer": m.n_layer, "n_embd": m.n_embd}

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models import FAMILIES, NATIVE, native_config
+from models import FAMILIES
+from trainer.errors import ConfigError, UserError
 from trainer.loss import LossConfig
 from trainer.precision import PRECISIONS
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line that names the fix."""
+CONF = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree train.py composes
 
 
 @dataclass
@@ -55,12 +56,9 @@ class ModelConfig:
             raise ValueError(f"model.attention={self.attention!r} must be 'eager' or 'sdpa'")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.family in NATIVE:
-            if self.dropout is None:
-                raise ValueError(f"model.dropout=null is for model=hf; give the {self.family} model a number")
-            native_config(self)  # the family's own range checks (n_head ÷ n_kv_head, ...)
-        elif not self.name_or_path:
-            raise ValueError("model=hf needs model.name_or_path=<hub id or a local folder with config.json>")
+        check = FAMILIES[self.family].check
+        if check is not None:
+            check(self)  # the family's own checks (n_head ÷ n_kv_head, a folder for model=hf, ...)
 
 
 @dataclass
@@ -245,7 +243,7 @@ def describe_user_error(e: BaseException) -> str | None:
     if isinstance(e, OmegaConfBaseException):
         key = getattr(e, "full_key", "") or ""
         return f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
-    if type(e).__name__ in ("ConfigError", "PolicyError", "DataError", "HFModelError"):
+    if isinstance(e, UserError):
         return str(e).splitlines()[0]
     if isinstance(e, OSError) and e.filename:  # e.g. Hydra creating a run folder where it cannot
         return f"cannot write {e.filename}: {e.strerror}; pass hydra.run.dir=<a writable folder>"
@@ -279,3 +277,14 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def compose_config(overrides: Sequence[str]) -> Config:
+    """train.py's config from the same overrides, validated (raises Hydra, Config or Policy errors): the tools'
+    (estimator, check, benchmarks) one way to compose it."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return validate(cfg)

@@ -128,6 +128,15 @@ class StepMeter:
         self._window_end = self.tracker.mark()
         self._activation = self.tracker.peak_bytes_excluding(self._grads, until=self._window_end)
 
+    def abort(self) -> None:
+        """A step that failed midway: leave the tracker's mode and the hooks, so nothing stays installed (the
+        dispatch-mode stack is LIFO: a mode left behind would be popped in place of the one above it)."""
+        if self.tracker._active:
+            self.tracker.__exit__(None, None, None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
     def end(self, module: nn.Module) -> StepFigures:
         self.close_window(module)
         tracker = self.tracker

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainer.errors import PolicyError
 from trainer.loss import LOSSES
-from trainer.policies import (
+from trainer.policies.base import (
     Plan,
     Policy,
     PolicyConfig,
-    PolicyError,
     check_treatments,
     checkpointed,
     register,

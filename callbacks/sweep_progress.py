@@ -5,10 +5,6 @@ sweep's own config, with the command-line overrides as typed (`policy=none,full`
 `<sweep dir>/multirun.yaml` before it launches anything; expanding those overrides the way the basic sweeper does
 gives the number of jobs. Other sweepers (Optuna, Nevergrad, ...) say it as `n_trials` / `budget`; without one of
 these the line reads "job 3" alone.
-
-Wiring (trainer/run.py, where the Trainer's callbacks are listed):
-
-    callbacks += sweep_progress()   # [] outside a multirun
 """
 
 from __future__ import annotations

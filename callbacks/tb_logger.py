@@ -1,4 +1,5 @@
-"""TensorBoard as a sweep reads it: the run's logger, its HParams entry and its Custom Scalars layout.
+"""The run's TensorBoard logger, as a sweep reads it: the job-folder logger, its HParams entry and its Custom
+Scalars layout.
 
 What TensorBoard does with what a run writes (read in 2.21's source), and what this module writes for it:
 
@@ -20,11 +21,6 @@ What TensorBoard does with what a run writes (read in 2.21's source), and what t
   filter them), the session status from the run's status.
 * Custom Scalars: charts for the device the run is on (the CUDA counters only on CUDA), every per-step tag of
   trainer/metrics.py on one of them, matched exactly.
-
-Wiring (trainer/run.py, where the Trainer's logger is made):
-
-    logger = JobTensorBoardLogger(run_dir)
-    write_tb_layout(logger.experiment, run_device_type(config))
 """
 
 from __future__ import annotations

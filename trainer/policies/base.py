@@ -1,0 +1,244 @@
+"""The policies' engine: the Plan (segments of blocks, each with a treatment), the Policy base class and its
+registry (the only list of policies), building a policy from a config, and the checkpoint every recompute uses.
+Policies themselves are one class each in library.py; installing a plan on a model is install.py."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.utils.checkpoint import checkpoint
+
+from models.adapter import DecoderAdapter
+from trainer.errors import PolicyError
+
+log = logging.getLogger("trainer.policies")  # the package's: its notices are the policies'
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan: segments of blocks, each with a treatment.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first block index
+    stop: int  # one past the last block
+    treatment: str  # a registered treatment; a segment of several blocks is one region (a group)
+
+    @property
+    def group(self) -> bool:
+        return self.stop - self.start > 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def per_block(cls, treatments: Iterable[str]) -> Plan:
+        return cls(tuple(Segment(i, i + 1, t) for i, t in enumerate(treatments)))
+
+    @classmethod
+    def uniform(cls, n: int, treatment: str) -> Plan:
+        return cls.per_block([treatment] * n)
+
+    @classmethod
+    def groups(cls, n: int, size: int, treatment: str) -> Plan:
+        """Groups of `size` consecutive blocks (the last may be shorter); a group of one is that block alone."""
+        return cls(tuple(Segment(i, min(i + size, n), treatment) for i in range(0, n, size)))
+
+    @property
+    def n_layer(self) -> int:
+        return self.segments[-1].stop if self.segments else 0
+
+    @property
+    def treatments(self) -> tuple[str, ...]:
+        """One treatment per block."""
+        return tuple(s.treatment for s in self.segments for _ in range(s.start, s.stop))
+
+    def replace_treatments(self, change: Callable[[str], str]) -> Plan:
+        return Plan(tuple(Segment(s.start, s.stop, change(s.treatment)) for s in self.segments))
+
+    def describe(self) -> str:
+        """What runs how, block by block: e.g. "[0]:full [1]:selective [2-3]:none" or "[0-1]:full-group".
+
+        Consecutive single-block segments with the same treatment are merged ("[0-3]:full" = four per-block
+        checkpoints); a segment that runs several blocks as ONE region is shown as a group ("[0-1]:full-group"),
+        and adjacent groups stay separate.
+        """
+        runs: list[list[Any]] = []  # [start, stop, label, mergeable]
+        for s in self.segments:
+            if s.group:
+                runs.append([s.start, s.stop, f"{s.treatment}-group", False])
+            elif runs and runs[-1][3] and runs[-1][2] == s.treatment and runs[-1][1] == s.start:
+                runs[-1][1] = s.stop
+            else:
+                runs.append([s.start, s.stop, s.treatment, True])
+        return " ".join(
+            f"[{start}]:{label}" if stop - start == 1 else f"[{start}-{stop - 1}]:{label}"
+            for start, stop, label, _ in runs
+        )
+
+
+_said: set[str] = set()
+
+
+def say_once(msg: str) -> None:
+    """Log a notice once per process: a sweep of 50 steps must not repeat it 50 times."""
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policy base class and the registry.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "none"
+
+
+class Policy:
+    """One activation-memory policy: a documented `Config` and a `plan`; a treatment also says how it runs a
+    segment (`run`) and whether it recomputes the attention core (`recomputes_core`)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[PolicyConfig]] = PolicyConfig
+    treatment: ClassVar[bool] = False  # a way to run one block that per_block and auto can name
+    recomputes_core: ClassVar[bool] = False  # wraps the attention seam in a checkpoint (selective)
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self._children: dict[str, Policy] = {}
+
+    def plan(self, n_layer: int) -> Plan:
+        """The blocks' treatments; a treatment's own plan is itself on every block."""
+        if not self.treatment:
+            raise NotImplementedError(type(self).__name__)
+        return Plan.uniform(n_layer, self.name)
+
+    def check(self, n_layer: int, attention: str) -> None:
+        """Refuse parameters that cannot fit this model, before any work starts (one-line PolicyError)."""
+
+    # -- treatments -------------------------------------------------------------------------------------------
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        """Run one segment: `fn(x)` runs its blocks on the residual stream x. `key`: the segment's first block."""
+        return fn(x)
+
+    @classmethod
+    def runs_as_is(cls) -> bool:
+        return cls.run is Policy.run
+
+    def effective(self, attention: str) -> str:
+        """The treatment this one amounts to on a model with this attention (selective without an eager core:
+        none), so a plan says what really runs."""
+        return self.name
+
+    def unavailable(self, attention: str, device_type: str) -> str | None:
+        """Why this treatment would change nothing here (the planner leaves it out and says so), or None."""
+        return None
+
+    def treatment_policy(self, name: str) -> Policy:
+        """The policy object that runs treatment `name` in this policy's plan, with this config's parameters of
+        the same names (a per_block's save_ops go to its op_sac blocks). One object per name, kept."""
+        if name == self.name:
+            return self
+        if name not in self._children:
+            cls = POLICIES.get(name)
+            if cls is None or not cls.treatment:
+                known = ", ".join(treatments())
+                raise PolicyError(f"policy {self.name}: unknown treatment {name!r}; choose from {known}")
+            params = {f.name: getattr(self.cfg, f.name) for f in fields(cls.Config) if hasattr(self.cfg, f.name)}
+            params["name"] = name
+            self._children[name] = build_policy(params)
+        return self._children[name]
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def treatments() -> tuple[str, ...]:
+    """The registered treatments, in registration order (what per_block and auto may name)."""
+    return tuple(n for n, c in POLICIES.items() if c.treatment)
+
+
+def check_treatments(names: Iterable[str], key: str) -> None:
+    """A config's list of treatment names, each registered (raises ValueError: a Config's __post_init__ check)."""
+    known = treatments()
+    for t in names:
+        if t not in known:
+            raise ValueError(f"unknown treatment {t!r} in policy.{key}; choose from {', '.join(known)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building and installing.
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_policy(cfg: Mapping[str, Any] | DictConfig | PolicyConfig | str) -> Policy:
+    """Validate a policy config (a Hydra node, a dict or a name) into a Policy, or raise a one-line PolicyError."""
+    if isinstance(cfg, str):
+        cfg = {"name": cfg}
+    if isinstance(cfg, PolicyConfig):
+        cfg = OmegaConf.structured(cfg)
+    name = cfg.get("name") if hasattr(cfg, "get") else None
+    if name not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(cls.Config), cfg)
+        typed = OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        msg = str(e).splitlines()[0]
+        raise PolicyError(f"policy {name}: {('policy.' + key + ': ') if key else ''}{msg}") from None
+    except ValueError as e:  # a Config.__post_init__ check
+        raise PolicyError(f"policy {name}: {e}") from None
+    return cls(typed)
+
+
+def policy_params(policy: Policy) -> dict[str, Any]:
+    return {f.name: getattr(policy.cfg, f.name) for f in fields(policy.cfg)}
+
+
+def resolve_plan(policy: Policy, adapter: DecoderAdapter, planned: Plan | None = None) -> Plan:
+    """The policy's plan for this model (or `planned`, the one it already made), each treatment as it really runs
+    here (`Policy.effective`)."""
+    attention = adapter.attention
+    planned = planned if planned is not None else policy.plan(adapter.n_layer)
+    return planned.replace_treatments(lambda t: policy.treatment_policy(t).effective(attention))
+
+
+def needs_attention_seam(policy: Policy, n_layer: int) -> bool:
+    """Does the policy's plan for n_layer blocks recompute the core attention somewhere (selective)?"""
+    return any(policy.treatment_policy(t).recomputes_core for t in policy.plan(n_layer).treatments)
+
+
+def no_seam_refusal(policy: Policy, model_name: str) -> PolicyError:
+    return PolicyError(
+        f"policy {policy.cfg.name}: {model_name} has no swappable attention function (it computes attention "
+        "inline, or has none), so there is no core attention to recompute on its own; choose op_sac or full for "
+        "this model"
+    )
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any, context_fn: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` under non-reentrant checkpoint with the RNG state preserved (dropout replays);
+    `context_fn`: torch's selective-checkpoint contexts (op_sac)."""
+    if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to recompute
+        return fn(*args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)

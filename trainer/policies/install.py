@@ -1,0 +1,121 @@
+"""Installing a plan on a model through the decoder contract (models/adapter.py) and nothing else: forward
+overrides for the segments a treatment runs other than as they are, the attention seam for `selective`, and the
+group runner that makes several blocks one region."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from models.adapter import DecoderAdapter, adapter_for
+from trainer.errors import PolicyError
+from trainer.policies.base import Plan, Policy, Segment, build_policy, checkpointed, no_seam_refusal, resolve_plan
+
+
+def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig | str) -> Policy:
+    """Install a policy on any model that meets the decoder contract (models/adapter.py).
+
+    Idempotent and reversible: a previous policy is removed first; `remove_policy` restores the plain model. A
+    policy the model refuses (PolicyError) leaves the installed one in place.
+    """
+    policy = cfg if isinstance(cfg, Policy) else build_policy(cfg)
+    adapter = adapter_for(model)
+    policy.check(adapter.n_layer, adapter.attention)
+    planned = policy.plan(adapter.n_layer)
+    plan = resolve_plan(policy, adapter, planned)
+    wanted = planned.treatments
+    if not adapter.has_attention_seam and any(policy.treatment_policy(t).recomputes_core for t in wanted):
+        raise no_seam_refusal(policy, type(model).__name__)
+    if any(seg.group for seg in plan.segments) and not adapter.layer_output.groupable:
+        raise PolicyError(
+            f"policy {policy.cfg.name}: {type(model).__name__}'s decoder loop hands each layer more than the hidden "
+            "states (e.g. router state), so blocks cannot be grouped into one region; choose full, first_k or "
+            "per_block for this model"
+        )
+    remove_policy(model)
+    install_plan(adapter, plan, policy)
+    model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
+    model.activation_plan = plan  # type: ignore[assignment]
+    return policy
+
+
+def remove_policy(model: nn.Module) -> None:
+    adapter = adapter_for(model)
+    for i in range(adapter.n_layer):
+        adapter.override_forward(i, None)
+        adapter.wrap_core_attention(i, None)
+    model.__dict__.pop("activation_policy", None)
+    model.__dict__.pop("activation_plan", None)
+
+
+def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
+    """Put `plan` on the layers: core-attention wrappers for treatments that recompute it, forward overrides for
+    segments whose treatment runs them other than as they are."""
+    if plan.n_layer != adapter.n_layer:
+        raise PolicyError(f"policy {policy.cfg.name}: the plan covers {plan.n_layer} blocks, the model has "
+                          f"{adapter.n_layer}")  # fmt: skip
+    for seg in plan.segments:
+        tp = policy.treatment_policy(seg.treatment)
+        if tp.recomputes_core:
+            for i in range(seg.start, seg.stop):
+                adapter.wrap_core_attention(i, checkpointed)
+        if tp.runs_as_is():
+            continue
+        if seg.group:
+            runner = _GroupRunner(adapter, seg, tp)
+            for i in range(seg.start, seg.stop):
+                adapter.override_forward(i, functools.partial(runner.forward, i))
+        else:
+            adapter.override_forward(seg.start, functools.partial(_run_one, adapter.original_forward(seg.start), tp,
+                                                                  seg.start))  # fmt: skip
+
+
+def _run_one(forward: Callable[..., torch.Tensor], tp: Policy, key: int, hidden: torch.Tensor, *args: Any,
+             **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    return tp.run(lambda x: forward(x, *args, **kwargs), hidden, key)
+
+
+class _GroupRunner:
+    """Several blocks as one region. The model's loop calls each layer in turn; the layers before the last pass the
+    residual stream through and note their arguments, and the last layer's call runs the whole segment under the
+    treatment, each block with its own arguments. Inside the segment (and its recompute in backward) the earlier
+    layers are called through the module again, so hooks on them (FSDP2's all-gather) still fire."""
+
+    def __init__(self, adapter: DecoderAdapter, seg: Segment, tp: Policy) -> None:
+        self.adapter, self.seg, self.tp = adapter, seg, tp
+        self.calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.inside = False
+
+    def forward(self, i: int, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.inside:
+            return self.adapter.original_forward(i)(hidden, *args, **kwargs)
+        self.calls[i] = (args, kwargs)
+        output = self.adapter.layer_output  # what the loop reads from a layer's return (the tensor, or its [0])
+        if i < self.seg.stop - 1:
+            return output.stand_in(hidden)
+        calls = [self.calls.pop(j) for j in range(self.seg.start, self.seg.stop)]
+        last = self.adapter.original_forward(i)  # its module call is the one running now
+        layers = self.adapter.layers
+
+        def run(x: torch.Tensor) -> Any:
+            self.inside = True
+            try:
+                for j, (a, kw) in zip(range(self.seg.start, self.seg.stop), calls, strict=True):
+                    out = (last if j == i else layers[j])(x, *a, **kw)
+                    x = output.hidden_of(out)
+                    if not isinstance(x, torch.Tensor):
+                        raise PolicyError(
+                            f"policy {self.tp.cfg.name}: {type(layers[j]).__name__} returns {type(out).__name__}, "
+                            "not the hidden states its model's loop reads, so its blocks cannot be grouped; choose "
+                            "full or per_block"
+                        )
+            finally:
+                self.inside = False
+            return out
+
+        return self.tp.run(run, hidden, self.seg.start)

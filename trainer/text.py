@@ -1,0 +1,29 @@
+"""Text the CLIs, the run and the callbacks print: an exception as one line, rows as a markdown table.
+
+(models/ imports nothing from trainer/, so models/hf.py keeps a private copy of `one_line`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's text on one line (whitespace collapsed, its type's name if it has none), cut at `limit`."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def markdown_cell(value: object) -> str:
+    """A value as one table cell: a "|" escaped, line breaks made spaces."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: Sequence[str] = ()) -> str:
+    """A markdown table: `align` has one "l" or "r" per column (left where it says nothing more)."""
+
+    def line(cells: Iterable[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    marks = ["---:" if i < len(align) and align[i] == "r" else "---" for i in range(len(header))]
+    body = [line(markdown_cell(c) for c in row) for row in rows]
+    return "\n".join([line(markdown_cell(h) for h in header), line(marks), *body])
