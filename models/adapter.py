@@ -50,6 +50,9 @@ class LogitTransform:
 
     ops: tuple[tuple[str, float], ...] = ()
     source: str = ""  # where it was read (the model's class), for messages
+    # How the model's own loss reads `labels=`: shifted inside (transformers' causal-LM loss) or as given (a few
+    # decoders, TrOCR and XLNet, take labels already shifted). The heads' targets are always the next tokens.
+    shifts_labels: bool = True
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         for op, value in self.ops:
@@ -78,14 +81,21 @@ class LogitTransform:
 class LayerOutput:
     """What the model's loop takes from a layer's return value: the tensor itself ("tensor"), or element 0 of a
     tuple of `width` elements ("first"; the rest is dropped or only collected for outputs a run never asks for);
-    "passes_more": the loop hands the next layer more than the hidden states, so layers cannot be grouped."""
+    "passes_more": the loop hands the next layer more than the hidden states; "repeats": an outer loop calls the
+    layers again (Dory's recurrent section). Neither can be grouped: a group runs each layer once, in order."""
 
-    kind: str = "tensor"  # tensor | first | passes_more
+    kind: str = "tensor"  # tensor | first | passes_more | repeats (a loop calls the layers again)
     width: int = 1
 
     @property
     def groupable(self) -> bool:
-        return self.kind != "passes_more"
+        return self.kind not in ("passes_more", "repeats")
+
+    @property
+    def why_not_groupable(self) -> str:
+        if self.kind == "repeats":
+            return "calls its layers more than once in a forward (a recurrent loop over them)"
+        return "hands each layer more than the hidden states (e.g. router state)"
 
     def hidden_of(self, out: Any) -> Any:
         return out[0] if self.kind == "first" and isinstance(out, (tuple, list)) else out

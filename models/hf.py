@@ -237,6 +237,8 @@ class HFAdapter(DecoderAdapter):
         super().__init__(model)
         self.base = model.base_model
         self._owner, self._attr, self._layers = self._find_layers()
+        if self.base is model:  # base_model_prefix names no attribute (Llama-4 text): the layers' owner is it
+            self.base = self._owner
         self._transform: LogitTransform | None = None
         self._layer_output: LayerOutput | None = None
         # HF's own eager, e.g. a model built outside load_causal_lm: the seam runs that same eager function, so the

@@ -19,6 +19,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -178,16 +179,19 @@ def head_transform(model: nn.Module) -> LogitTransform | str:
     if fn is None or head is None:
         return f"{cls.__name__}'s forward cannot be read (no source, or no named output projection)"
     ev = _Evaluator(model)
+    bias = getattr(model.get_output_embeddings(), "bias", None) is not None
     try:
-        return _read_head(fn.body, head, ev, cls.__name__)
+        return _read_head(fn.body, head, ev, cls.__name__, bias)
     except _Unknown as e:
         return f"{cls.__name__}'s forward does something to its logits or loss this project cannot follow ({e})"
 
 
-def _read_head(body: list[ast.stmt], head: str, ev: _Evaluator, source: str) -> LogitTransform:
+def _read_head(body: list[ast.stmt], head: str, ev: _Evaluator, source: str, head_has_bias: bool) -> LogitTransform:
     primitive: list[tuple[str, float]] = []
     var: str | None = None  # the logits' variable, once the head has been called
     loss_seen = False
+    shifts = True
+    scaled: dict[str, list[tuple[str, float]]] = {}  # a variable's scaling since it was last set (the head's input)
     for stmt in _flatten(body, ev):
         if isinstance(stmt, ast.Return):
             break
@@ -196,14 +200,20 @@ def _read_head(body: list[ast.stmt], head: str, ev: _Evaluator, source: str) -> 
                 if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
                     raise _Unknown(ast.unparse(stmt))
                 var = stmt.targets[0].id  # type: ignore[attr-defined]
-                primitive += _ops_of(stmt.value, lambda n: _is_head_call(n, head), ev)
+                call = next(n for n in ast.walk(stmt.value) if _is_head_call(n, head))
+                before = _head_input_ops(call, scaled, ev)
+                if before and head_has_bias:  # h·s through W and a bias is not (hW + b)·s
+                    raise _Unknown(f"a scaled input to a head with a bias: {ast.unparse(call)}")
+                primitive += before + _ops_of(stmt.value, lambda n: _is_head_call(n, head), ev)
             else:
+                _track_scaling(stmt, scaled, ev)
                 _bind(stmt, ev)
             continue
         if _is_loss_statement(stmt):
             if loss_seen or not _standard_loss(stmt, var):
                 raise _Unknown(ast.unparse(stmt).splitlines()[0])
             loss_seen = True
+            shifts = ast.unparse(stmt.value.func) == "self.loss_function"  # type: ignore[attr-defined]
         elif _assigns(stmt, "loss") and loss_seen:
             raise _Unknown(f"adds to its loss: {ast.unparse(stmt).splitlines()[0]}")
         elif isinstance(stmt, ast.Assign) and _targets(stmt) == [var] and len(stmt.targets) == 1:
@@ -216,7 +226,60 @@ def _read_head(body: list[ast.stmt], head: str, ev: _Evaluator, source: str) -> 
         raise _Unknown(f"no call of self.{head}")
     if not loss_seen:
         raise _Unknown("its loss is not transformers' causal-LM cross-entropy (no self.loss_function call)")
-    return _transform(primitive, source)
+    return replace(_transform(primitive, source), shifts_labels=shifts)
+
+
+def _base_name(node: ast.expr) -> str | None:
+    """The variable under slicing and `.to(...)`: `hidden_states[:, idx, :]`, `hidden_states.to(dtype)`."""
+    while True:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to",):
+            node = node.func.value
+        else:
+            return node.id if isinstance(node, ast.Name) else None
+
+
+def _track_scaling(stmt: ast.stmt, scaled: dict[str, list[tuple[str, float]]], ev: _Evaluator) -> None:
+    """`h = h / s` (MiniCPM3 scales the hidden states before its head) adds a scale to h; `h = h[...]` or
+    `h = slice_logits_to_keep(h, ...)` keeps them; any other assignment starts h afresh."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return
+    name, value = stmt.targets[0].id, stmt.value
+    if _base_name(value) == name:
+        return
+    if isinstance(value, ast.Call) and ast.unparse(value.func) == "slice_logits_to_keep" and value.args:
+        if _base_name(value.args[0]) == name:
+            return
+    try:
+        ops = _ops_of(value, functools.partial(_is_name, name), ev)
+    except _Unknown:
+        scaled.pop(name, None)
+        return
+    scaled[name] = scaled.get(name, []) + ops
+
+
+def _head_input_ops(
+    call: ast.Call, scaled: dict[str, list[tuple[str, float]]], ev: _Evaluator
+) -> list[tuple[str, float]]:
+    """The scaling the head's input carries (from earlier statements, or in the call: `lm_head(h / s)`); anything
+    else between the hidden states and the head (another module: ModernBERT's prediction head) cannot be followed."""
+    if len(call.args) != 1 or call.keywords:
+        raise _Unknown(ast.unparse(call))
+    arg = call.args[0]
+    name = _base_name(arg)
+    if name is not None:
+        ops = scaled.get(name, [])
+    else:
+        inner = next((n for n in ast.walk(arg) if isinstance(n, ast.Name) and n.id != "self"), None)
+        if inner is None:
+            raise _Unknown(ast.unparse(call))
+        ops = scaled.get(inner.id, []) + _ops_of(
+            arg, lambda n: isinstance(n, ast.expr) and _base_name(n) == inner.id, ev
+        )
+    if any(op not in ("mul", "div") for op, _ in ops):
+        raise _Unknown(f"a transformed input to the head: {ast.unparse(call)}")
+    return ops
 
 
 def _bind(stmt: ast.stmt, ev: _Evaluator) -> None:
@@ -290,10 +353,17 @@ def layer_output(owner: nn.Module, attr: str) -> LayerOutput | None:
     fn = _parse_forward(type(owner))
     if fn is None:
         return None
-    for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
-        if not any(isinstance(n, ast.Attribute) and n.attr == attr and ast.unparse(n.value) == "self"
-                   for n in ast.walk(loop.iter)):  # fmt: skip
-            continue
+    loops = [
+        loop
+        for loop in ast.walk(fn)
+        if isinstance(loop, ast.For)
+        and any(isinstance(n, ast.Attribute) and n.attr == attr and ast.unparse(n.value) == "self"
+                for n in ast.walk(loop.iter))
+    ]  # fmt: skip
+    outer = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))]
+    if any(o is not loop and any(n is loop for n in ast.walk(o)) for loop in loops for o in outer):
+        return LayerOutput("repeats")  # an outer loop runs (a section of) the layers again: Dory's recurrence
+    for loop in loops:
         bound = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
         for stmt in (n for n in ast.walk(loop) if isinstance(n, ast.Assign)):
             call = stmt.value

@@ -386,3 +386,67 @@ def test_cli_hf_errors_are_one_line(hf_models: dict[str, Path], tmp_path: Path) 
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
         assert not (tmp_path / "run").exists()  # a refused run leaves no half-written folder
+
+
+def test_a_loop_that_calls_its_layers_again_refuses_grouping() -> None:
+    """A recurrent section (Dory runs some layers several times per forward) cannot be one group: the group runs
+    each layer once, in order. Read from the loop's source: nested in another loop."""
+    from torch import nn
+
+    from models import hf_source
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):
+                for layer in self.layers:
+                    hidden_states = layer(hidden_states)
+            return hidden_states
+
+    class Once(Looped):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+            return hidden_states
+
+    looped = hf_source.layer_output(Looped(), "layers")
+    assert looped is not None and looped.kind == "repeats" and not looped.groupable
+    assert "more than once" in looped.why_not_groupable
+    once = hf_source.layer_output(Once(), "layers")
+    assert once is not None and once.kind == "tensor" and once.groupable
+
+
+def test_a_scaled_head_input_is_the_models_own_scale(hf_models: dict[str, Path]) -> None:
+    """MiniCPM3 divides the hidden states before its head (`hidden_states / logits_scaling`): read as a scale of
+    the logits, since the head has no bias; a head fed by another module (ModernBERT's prediction head) is refused."""
+    import transformers
+
+    from models import hf_source
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(hf_models["llama"]))
+
+    class Scaled(type(model)):  # type: ignore[misc]
+        def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+            hidden_states = self.model(input_ids=input_ids).last_hidden_state
+            hidden_states = hidden_states / self.config.logits_scaling
+            logits = self.lm_head(hidden_states)
+            loss = self.loss_function(logits, labels, self.vocab_size)
+            return loss
+
+    class Fed(type(model)):  # type: ignore[misc]
+        def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+            hidden_states = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(self.model.norm(hidden_states))
+            loss = self.loss_function(logits, labels, self.vocab_size)
+            return loss
+
+    model.config.logits_scaling = 4.0
+    model.__class__ = Scaled
+    found = hf_source.head_transform(model)
+    assert not isinstance(found, str) and found.scale == 0.25 and found.shifts_labels
+    model.__class__ = Fed
+    found = hf_source.head_transform(model)
+    assert isinstance(found, str) and "self.model.norm(hidden_states)" in found

@@ -86,13 +86,14 @@ def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any)
     if module.adapter.family != "hf":
         return None
     x, y = batch
-    y = torch.cat([y[:, :-1], torch.full_like(y[:, -1:], -100)], dim=1)
+    shifted_inside = module.adapter.logit_transform.shifts_labels
+    y = torch.cat([y[:, :-1], torch.full_like(y[:, -1:], -100)], dim=1) if shifted_inside else y
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), plugin.forward_context():
             ours = float(module.loss_of((x, y)))
-            theirs = float(module.model(input_ids=x, labels=x, use_cache=False).loss)
+            theirs = float(module.model(input_ids=x, labels=x if shifted_inside else y, use_cache=False).loss)
     finally:
         module.train(was_training)
     return ours, theirs

@@ -323,11 +323,9 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(config.accum)]
     session = Session(config, device, chosen, module, optimizer, scheduler, plugin, batches, fake, rules, notes, world)
     with session.active():
-        # Last step's gradients and AdamW's state, as a step leaves them (their bytes, not their values, matter).
-        for p in module.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
+        # Last step's gradients and AdamW's state, as a real step leaves them: one step on the fake tensors, so a
+        # parameter no backward reaches (DeepSeek-V3.2's indexer runs under no_grad) has neither, as in the run.
+        session.step()
     notes.append(
         "a steady-state step as train.py runs it: forward with last step's gradients alive, zero_grad, backward, "
         "clip, AdamW.step() (the first step peaks lower)"

@@ -33,9 +33,8 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
         raise no_seam_refusal(policy, type(model).__name__)
     if any(seg.group for seg in plan.segments) and not adapter.layer_output.groupable:
         raise PolicyError(
-            f"policy {policy.cfg.name}: {type(model).__name__}'s decoder loop hands each layer more than the hidden "
-            "states (e.g. router state), so blocks cannot be grouped into one region; choose full, first_k or "
-            "per_block for this model"
+            f"policy {policy.cfg.name}: {type(model).__name__}'s decoder loop {adapter.layer_output.why_not_groupable}"
+            ", so blocks cannot be grouped into one region; choose full, first_k or per_block for this model"
         )
     remove_policy(model)
     install_plan(adapter, plan, policy)
