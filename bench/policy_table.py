@@ -4,7 +4,7 @@
     python -m bench.policy_table --write-readme   # also rewrite the README block between the policy-table markers
     python -m bench.policy_table --model llama-tiny model.attention=sdpa   # another model, Hydra overrides
 
-One process, one configuration composed as train.py composes it (`trainer.estimate.compose_config`; precision=auto
+One process, one configuration composed as train.py composes it (`trainer.schema.compose_config`; precision=auto
 settles as a run settles it), CPU unless --device cuda. One `DecoderModule` and one fixed batch of random tokens;
 each registered policy (`trainer.policies.POLICIES`) runs with the parameters of its conf/policy/<name>.yaml, so
 the table shows what `python train.py policy=<name>` runs (a policy that cannot run from its conf alone is left out
