@@ -64,6 +64,18 @@ RUN = ["trainer.max_steps=2", "trainer.enable_checkpointing=false", "trainer.val
 POLICY_NAMES = [p for p in POLICIES if p != "auto"]  # auto plans at fit start: tests/test_planner.py
 
 
+def assert_estimate_equals_run(est: Any, summary: dict[str, Any]) -> None:
+    """The contract: the estimate's activation and whole-step peaks are the run's, within both bounds."""
+    assert summary["status"] == "completed" and summary["plan"] == est.plan
+    for what, estimated, run in (
+        ("activation_peak_mib", est.activation_bytes, summary["activation_peak_mib"] * MIB),
+        ("peak_total_mib", est.peak_bytes, summary["peak_total_mib"] * MIB),
+    ):
+        error = estimated / run - 1
+        assert abs(error) <= ESTIMATE_TOLERANCE, f"{what}: estimated {estimated} B, the run {run:.0f} B ({error:+.3%})"
+        assert abs(estimated - run) <= ESTIMATE_SLACK_BYTES, f"{what}: estimated {estimated} B, the run {run:.0f} B"
+
+
 @pytest.fixture
 def overrides(hf_models: dict[str, Path]) -> Callable[[str, str], list[str]]:
     def _overrides(model: str, shape: str) -> list[str]:
@@ -95,14 +107,7 @@ def test_estimate_equals_a_training_run(
     cfg = _with_policy(compose_cfg(*overrides(model, shape), *RUN), policy)
     est = measure(open_session(validate(cfg)), build_policy(validate(cfg).policy))
     summary = train(cfg, tmp_path / "run")
-    assert summary["status"] == "completed" and summary["plan"] == est.plan
-    for what, estimated, run in (
-        ("activation_peak_mib", est.activation_bytes, summary["activation_peak_mib"] * MIB),
-        ("peak_total_mib", est.peak_bytes, summary["peak_total_mib"] * MIB),
-    ):
-        error = estimated / run - 1
-        assert abs(error) <= ESTIMATE_TOLERANCE, f"{what}: estimated {estimated} B, the run {run:.0f} B ({error:+.3%})"
-        assert abs(estimated - run) <= ESTIMATE_SLACK_BYTES, f"{what}: estimated {estimated} B, the run {run:.0f} B"
+    assert_estimate_equals_run(est, summary)
 
 
 def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]],

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_estimate import ESTIMATE_SLACK_BYTES, ESTIMATE_TOLERANCE, RUN, _with_policy
+from tests.test_estimate import RUN, _with_policy, assert_estimate_equals_run
 from trainer.estimate import measure, open_session
 from trainer.fake_kernels import cpu_kernel_rules
-from trainer.memory import MIB
 from trainer.policies import build_policy
 from trainer.run import train
 from trainer.schema import ConfigError, validate
@@ -55,14 +54,7 @@ def test_moe_fp32_estimate_equals_a_training_run(
     assert session.module.model.config._experts_implementation == "grouped_mm"  # what the run executes, too
     est = measure(session, build_policy(validate(cfg).policy))
     summary = train(cfg, tmp_path / "run")
-    assert summary["status"] == "completed" and summary["plan"] == est.plan
-    for what, estimated, run in (
-        ("activation_peak_mib", est.activation_bytes, summary["activation_peak_mib"] * MIB),
-        ("peak_total_mib", est.peak_bytes, summary["peak_total_mib"] * MIB),
-    ):
-        error = estimated / run - 1
-        assert abs(error) <= ESTIMATE_TOLERANCE, f"{what}: estimated {estimated} B, the run {run:.0f} B ({error:+.3%})"
-        assert abs(estimated - run) <= ESTIMATE_SLACK_BYTES, f"{what}: estimated {estimated} B, the run {run:.0f} B"
+    assert_estimate_equals_run(est, summary)
 
 
 LAYOUTS = {  # (mat_a, mat_b, offs): the forward's 2D×3D (weights transposed, as Mixtral's), its backward's 2D×2D
