@@ -36,7 +36,7 @@ from trainer.loss import LossConfig
 from trainer.module import DecoderModule
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy
 from trainer.precision import plugin
-from trainer.schema import Config
+from trainer.schema import Config, compose_config
 from trainer.step import StepMeter, bare_step, optimizers_of
 
 
@@ -45,10 +45,10 @@ class BenchError(ValueError):
 
 
 def bench_config(overrides: Sequence[str], device_type: str) -> tuple[Config, dict[str, Any]]:
-    """train.py's config from `overrides` (`trainer.estimate.compose_config`), with `precision` settled for this
+    """train.py's config from `overrides` (`trainer.schema.compose_config`), with `precision` settled for this
     device as a run settles it (so the estimator and the measured step run the same precision), and the
     environment line of the tables."""
-    config = estimate.compose_config(list(overrides))
+    config = compose_config(list(overrides))
     env = environment(device_type, config.precision)
     config.precision = env["precision"]
     return config, env

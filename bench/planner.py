@@ -5,7 +5,7 @@
     python -m bench.planner --model llama-tiny --budgets 6 --reps 3
 
 One process, one configuration composed as train.py composes it with `policy=auto`
-(`trainer.estimate.compose_config`; precision=auto settles as a run settles it), one `DecoderModule` and one fixed
+(`trainer.schema.compose_config`; precision=auto settles as a run settles it), one `DecoderModule` and one fixed
 batch of random tokens (bench/harness.py):
 
 1. Profile once, as the planning callback does at fit start: `trainer.planner.plan_model` on the module's model and
@@ -41,44 +41,30 @@ import torch
 from bench._readme import README, environment_text, replace_block
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices
 from trainer.loss import LossConfig
-from trainer.memory import MIB
 from trainer.module import param_groups
 from trainer.planner import (
     PeakModel,
-    PlanResult,
-    Profile,
+    choose,
     default_optimizer,
     head_candidates,
-    mib,
     plan_model,
+    profile_model,
     smallest_budget_mib,
-    solve_profile,
 )
 from trainer.policies import Plan, Policy, PolicyError, build_policy
 from trainer.schema import describe_user_error
+from trainer.text import MIB, mib
 
 START, END = "<!-- planner-table:start -->", "<!-- planner-table:end -->"
 HEADING = "## Measured: `policy=auto` across memory budgets"
 COMMAND = "python -m bench.planner --write-readme"
-EVERYTHING_FITS_MIB = float(2**30)  # a budget of 1 PiB: the first plan_model call only profiles
-
-
-def solve(prof: Profile, budget: int, text: str, configured: tuple[int, int]) -> PlanResult | None:
-    """The plan `plan_model` picks on this profile at this budget, without profiling again: the configured loss
-    head's fastest fitting plan, else the fastest fitting plan with another head, else None."""
-    heads = list(prof.heads.values()) or [prof]
-    first = solve_profile(heads[0], budget, text, configured)
-    if first is not None:
-        return first
-    others = [r for h in heads[1:] if (r := solve_profile(h, budget, text, configured)) is not None]
-    return min(others, key=lambda r: r.solution.step_ms) if others else None
 
 
 def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu") -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
-        config, env = bench_config(["policy=auto", f"policy.budget_mib={EVERYTHING_FITS_MIB}", *overrides], device)
-        auto_cfg = build_policy(config.policy).cfg
+        config, env = bench_config(["policy=auto", "policy.budget_mib=1", *overrides], device)  # budgets: below
+        auto = build_policy(config.policy)
     except Exception as e:
         line = describe_user_error(e)
         if line is None:
@@ -89,22 +75,15 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
     h = Harness(config, device)
     h.warm()
     model = h.module.model
-
-    def plan(cfg: Any) -> PlanResult:
-        with quiet_policy_notices():
-            return plan_model(
-                model,
-                h.batches()[0],
-                cfg,
-                loss_fns=head_candidates(h.module, cfg),
-                precision=h.precision,
-                accum=config.accum,
-                make_optimizer=default_optimizer(wd),
-                param_groups=param_groups(model, wd),
-                grad_clip=config.trainer.grad_clip,
-            )
-
-    prof = plan(auto_cfg).profile
+    measure = {
+        "loss_fns": head_candidates(h.module, auto.cfg),
+        "precision": h.precision,
+        "make_optimizer": default_optimizer(wd),
+        "param_groups": param_groups(model, wd),
+        "grad_clip": config.trainer.grad_clip,
+    }
+    with quiet_policy_notices():  # the planner's two verbs, as the planning callback calls them at fit start
+        prof = profile_model(model, h.batches()[0], auto, accum=config.accum, **measure)
     L = prof.n_layer
     predicted = {t: PeakModel(prof).evaluate([t] * L) for t in prof.treatments}
     top = max(p.peak for p in predicted.values())
@@ -121,19 +100,21 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
             loss_cfg = LossConfig(
                 name=loss, chunk_tokens=config.loss.chunk_tokens, ignore_index=config.loss.ignore_index
             )
-            variants[key] = Variant(key, _auto(auto_cfg, treatments), loss_cfg, micro_batch)
+            variants[key] = Variant(key, _auto(auto.cfg, treatments), loss_cfg, micro_batch)
         return key
 
     uniform = {t: variant([t] * L, config.loss.name, config.batch_size) for t in prof.treatments}
     rows: list[dict[str, Any]] = []
     for budget in budgets:
         row: dict[str, Any] = {"budget_mib": budget}
-        result = solve(prof, int(budget * MIB), f"policy.budget_mib={budget:g}", configured)
+        result = choose(prof, int(budget * MIB), f"policy.budget_mib={budget:g}", configured)
         if result is None:
             heads = list(prof.heads.values()) or [prof]
             row["refused_below_mib"] = smallest_budget_mib(min(PeakModel(p).min_peak().peak for p in heads))
             try:
-                result = plan(dataclasses.replace(auto_cfg, budget_mib=budget, allow_accum=True))
+                with quiet_policy_notices():
+                    accum_cfg = dataclasses.replace(auto.cfg, budget_mib=budget, allow_accum=True)
+                    result = plan_model(model, h.batches()[0], accum_cfg, accum=config.accum, **measure)
             except PolicyError as e:
                 row["error"] = str(e)
                 rows.append(row)

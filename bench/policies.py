@@ -6,7 +6,7 @@
     python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
 Positional arguments are Hydra overrides, as for train.py (`model.attention=sdpa`, `optim.lr=3e-4`); each model of
-`--models` is composed with them (`trainer.estimate.compose_config`), and `precision=auto` settles as a run settles
+`--models` is composed with them (`trainer.schema.compose_config`), and `precision=auto` settles as a run settles
 it (`trainer.precision.resolve`).
 
 One process. Per configuration one module (`trainer.module.DecoderModule`, seeded as train.py seeds it) and one
@@ -80,9 +80,9 @@ from bench.harness import (
     sync,
 )
 from trainer.loss import LOSSES, LossConfig
-from trainer.memory import MIB
 from trainer.policies import Policy, policy_params
 from trainer.schema import Config, describe_user_error
+from trainer.text import MIB
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"

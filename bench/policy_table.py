@@ -30,9 +30,9 @@ import torch
 
 from bench._readme import README, environment_text, replace_block
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
-from trainer.memory import MIB
 from trainer.policies import policy_params
 from trainer.schema import describe_user_error
+from trainer.text import MIB
 
 START, END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
 HEADING = "## Measured: every policy against `none`"

@@ -28,8 +28,9 @@ import lightning as L
 import torch
 
 from trainer import metrics as M
-from trainer.memory import MIB, cuda_memory_counters, reset_cuda_peaks
+from trainer.memory import cuda_memory_counters, reset_cuda_peaks
 from trainer.step import StepMeter
+from trainer.text import MIB
 
 # The tags this callback logs, each optimizer step (the CUDA ones on CUDA only).
 LOGGED = frozenset({M.TRAIN_LOSS, M.TRAIN_LR, M.STEP_MS, M.TOKENS_PER_S, M.ACTIVATION_PEAK, M.PEAK_TOTAL, *M.CUDA_TAGS})

@@ -1,7 +1,7 @@
 """`policy=auto` in a run: plan at fit start, explain, verify against the measured peak, re-plan once if over.
 
 At `on_fit_start` (the model is on its device, the optimizer exists, the train loader is not built yet) the
-callback takes the first micro-batch the datamodule would serve, profiles and solves (trainer/planner.py), installs
+callback takes the first micro-batch the datamodule would serve, profiles and solves (trainer/planner/), installs
 the plan with `apply_policy` (per-block treatments under the hood) and logs the explanation: to the console, as
 TensorBoard text (`policy/auto`) with two scalars (`auto/budget_mib`, `auto/predicted_peak_mib`), and as a dict
 for summary.json (`summary()`). With `policy.allow_accum=true` and a halved micro-batch, it sets the datamodule's
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import weakref
 from typing import Any
 
 import lightning as L
@@ -28,27 +27,32 @@ import torch
 from callbacks.measure import MeasureCallback
 from trainer import metrics as M
 from trainer.loss import LossConfig
-from trainer.memory import MIB
 from trainer.planner import (
     PeakModel,
     PlanResult,
     default_optimizer,
+    describe,
     frugal_result,
     head_candidates,
     plan_model,
     solve_profile,
 )
-from trainer.policies import PolicyError, apply_policy
+from trainer.policies import Policy, PolicyError, apply_policy, register_callback
+from trainer.text import MIB
 
 log = logging.getLogger(__name__)
 
 STEADY_STEP = 2  # the first optimizer step whose start has last step's gradients and the optimizer state
 
 
+@register_callback("auto")
 class AutoPlanCallback(L.Callback):
-    """Plans `policy=auto` at fit start, logs the plan, verifies it, re-plans once. A no-op for other policies."""
+    """Plans `policy=auto` at fit start, logs the plan, verifies it, re-plans once; the auto policy brings it
+    (`policy.callbacks()`). `policy`: the one it plans (None: the auto policy installed on the model it meets).
+    A no-op for other policies."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy
         self.result: PlanResult | None = None
         self.replanned = False
         self.first_plan: dict[str, Any] | None = None
@@ -63,12 +67,10 @@ class AutoPlanCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = getattr(pl_module, "model", pl_module)
         policy = getattr(model, "activation_policy", None)
-        if policy is None or policy.cfg.name != "auto":
+        if policy is None or policy.cfg.name != "auto" or (self.policy is not None and policy is not self.policy):
             return
-        owner = getattr(policy, "planned_by", None)
-        if owner is not None and owner is not self and owner() is not None:
-            return  # another AutoPlanCallback in this Trainer plans this model
-        policy.planned_by = weakref.ref(self)
+        if any(c is not self and isinstance(c, AutoPlanCallback) and c.result is not None for c in trainer.callbacks):
+            return  # another planner in this Trainer planned this model first
         if getattr(pl_module, "_compiled", False):
             raise PolicyError("policy auto with trainer.compile=true is not supported; plan without compile")
         self._model = model
@@ -78,7 +80,7 @@ class AutoPlanCallback(L.Callback):
         result = plan_model(
             model,
             batch,
-            policy.cfg,
+            policy,
             loss_fns=head_candidates(pl_module, policy.cfg),
             precision=str(trainer.precision),
             accum=trainer.accumulate_grad_batches,
@@ -200,7 +202,8 @@ class AutoPlanCallback(L.Callback):
         apply_policy(self._model, policy)
         preface = (
             f"policy=auto: measured peak {measured_mib:,.1f} MiB is over the budget {old.budget / MIB:,.1f} MiB "
-            f"(predicted {old.solution.peak / MIB:,.1f} MiB for {old.solution.describe()}); re-planned once with the "
+            f"(predicted {old.solution.peak / MIB:,.1f} MiB for {describe(old.solution.treatments)}); re-planned once "
+            "with the "
             f"excess {max(0, excess) / MIB:,.1f} MiB added to the fixed memory"
             + ("" if fits else "; even so nothing fits: running the most frugal plan")
         )

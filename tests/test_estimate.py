@@ -24,7 +24,6 @@ from trainer import precision
 from trainer.estimate import (
     CudaKernelRules,
     Estimate,
-    compose_config,
     default_policy,
     estimate_all,
     main,
@@ -32,10 +31,10 @@ from trainer.estimate import (
     open_session,
     parse_bytes,
 )
-from trainer.memory import MIB
 from trainer.policies import POLICIES, build_policy, policy_params
 from trainer.run import train
-from trainer.schema import validate
+from trainer.schema import compose_config, validate
+from trainer.text import MIB
 
 ESTIMATE_TOLERANCE = 0.005  # the contract, relative
 # What is observed on these shapes: the run holds 8 bytes more (one of Lightning's scalars). An absolute bound as well,
@@ -306,7 +305,7 @@ def test_cli_estimates_the_plan_the_planner_chose(
 ) -> None:
     """policy=auto: the CLI asks the planner for its plan (stubbed here; the planner's own tests are in
     tests/test_planner.py), prints its explanation, and estimates that plan."""
-    import trainer.estimate as est_module
+    import trainer.estimate.cli as est_module
     from trainer.policies import Plan
 
     chosen = Plan.per_block(["full", "none"])

@@ -1,4 +1,4 @@
-"""bench/hf_families.py: the registry sweep's tiny configs, one family's row through the project's entry points, the
+"""bench/hf_families/: the registry sweep's tiny configs, one family's row through the project's entry points, the
 markdown it renders, and the README flag's refusal. The sweep itself (every family) is a benchmark, not a test."""
 
 from __future__ import annotations

@@ -24,16 +24,16 @@ from typing import Any
 import pytest
 import torch
 
-from callbacks.planner import AutoPlanCallback
 from trainer import planner
 from trainer import precision as precision_
 from trainer import step as step_
-from trainer.memory import MIB
+from trainer.estimate import plan_for_config, plan_result_for_config
 from trainer.module import DecoderModule, param_groups
-from trainer.planner import BOOKKEEPING, Cost, PeakModel, Profile, plan_for_config, plan_result_for_config
+from trainer.planner import BOOKKEEPING, Cost, PeakModel, Profile, profiler
 from trainer.policies import POLICIES, PolicyError, apply_policy, build_policy
 from trainer.run import train
 from trainer.schema import validate
+from trainer.text import MIB
 
 # ----------------------------------------------------------------------------------------------------
 # A 4-block model, profiled once.
@@ -80,7 +80,7 @@ def profiled(accum: int = 1) -> Profile:
         make_optimizer=planner.default_optimizer(),
         param_groups=param_groups(model, 0.1),
         accum=accum,
-        policy_cfg=auto_cfg(),
+        policy=build_policy({"name": "auto", "budget_mib": 1000.0}),
         grad_clip=1.0,
         repeats=1,
     )
@@ -259,9 +259,8 @@ RUN = ["model.n_layer=3", "trainer.max_steps=6", "trainer.enable_checkpointing=f
 
 def run_auto(compose_cfg: Any, tmp_path: Path, name: str, *overrides: str) -> tuple[dict[str, Any], dict[str, Any]]:
     cfg = compose_cfg("policy=auto", *RUN, *overrides)
-    cb = AutoPlanCallback()
-    summary = train(cfg, tmp_path / name, callbacks=[cb])
-    auto = summary.get("auto") or cb.summary()["auto"]  # once trainer/run.py adds the callback itself
+    summary = train(cfg, tmp_path / name)
+    auto = summary["auto"]  # the auto policy brings its planner (policy.callbacks())
     return summary, auto
 
 
@@ -282,7 +281,7 @@ def test_runs_stay_within_budget_at_several_budgets(
 ) -> None:
     # Bytes are deterministic, times are not: with every timed run the same duration, ties go to the earlier
     # treatment (none first), so the roomy budget's plan does not depend on the machine's load.
-    monkeypatch.setattr(planner._Timer, "__call__", lambda self, fn: (fn(), 1.0))
+    monkeypatch.setattr(profiler._Timer, "__call__", lambda self, fn: (fn(), 1.0))
     peaks = uniform_peaks_mib(())
     assert peaks["none"] > peaks["selective"] > peaks["op_sac"] > peaks["full"]
     budgets = {
@@ -314,7 +313,7 @@ def test_a_prediction_too_low_is_caught_and_re_planned_once(
     peaks = uniform_peaks_mib(())
     budget = (peaks["selective"] + peaks["op_sac"]) / 2
     # Make the model under-predict every phase by 0.15 MiB: the first plan will not fit when measured.
-    monkeypatch.setattr(planner, "BOOKKEEPING", BOOKKEEPING - int(0.15 * MIB))
+    monkeypatch.setattr(planner.peak, "BOOKKEEPING", BOOKKEEPING - int(0.15 * MIB))
     summary, auto = run_auto(compose_cfg, tmp_path, "replan", f"policy.budget_mib={budget}")
     assert auto["replanned"] is True
     assert auto["measured_before_replan_mib"] > budget
@@ -329,7 +328,7 @@ def test_estimate_and_train_agree_on_the_plan(
     budget = (lambda p: (p["selective"] + p["op_sac"]) / 2)(uniform_peaks_mib(()))
     # Bytes are deterministic; times are not. Give every timed run the same duration so that both paths see the
     # same costs (ties then go to the earlier treatment), and compare the plans the one function produces.
-    monkeypatch.setattr(planner._Timer, "__call__", lambda self, fn: (fn(), 1.0))
+    monkeypatch.setattr(profiler._Timer, "__call__", lambda self, fn: (fn(), 1.0))
     config = validate(compose_cfg("policy=auto", *RUN, f"policy.budget_mib={budget}"))
     plan, loss, text = plan_for_config(config)
     estimated = plan_result_for_config(config)
@@ -362,7 +361,7 @@ def test_refusal_is_one_line_with_a_budget_and_a_micro_batch_that_fit(compose_cf
     # a run refuses the same way, before training
     cfg = compose_cfg("policy=auto", *RUN, f"policy.budget_mib={budget}")
     with pytest.raises(PolicyError) as e2:
-        train(cfg, tmp_path / "refused", callbacks=[AutoPlanCallback()])
+        train(cfg, tmp_path / "refused")
     assert str(e2.value) == line
     assert not (tmp_path / "refused").exists()  # its TensorBoard event file, opened before fit, went with it
 
@@ -465,5 +464,5 @@ def test_auto_at_several_budgets_gives_the_gradients_of_none_bitwise(accum: int)
         losses, grads = train_step(gpt, accum)
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
         differ = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
-        assert not differ, (result.solution.describe(), differ)
+        assert not differ, (result.plan.describe(), differ)
     assert len(seen) >= 3, seen

@@ -21,6 +21,7 @@ the whole file runs in seconds on 2 cores. Three facts the assertions below rest
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import json
@@ -38,10 +39,12 @@ from trainer import policies
 from trainer.flops import count_flops
 from trainer.memory import LiveTensorTracker
 from trainer.policies import (
+    DEFAULT_SAC_SAVE_OPS,
     POLICIES,
     PolicyError,
     apply_policy,
     build_policy,
+    config_node,
     remove_policy,
 )
 
@@ -675,6 +678,18 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
         ({"name": "op_sac", "save_ops": ["aten.nosuchop"]}, ["unknown op 'aten.nosuchop'", "aten.mm"]),
         ({"name": "op_sac", "save_ops": ["mm"]}, ["unknown op 'mm'"]),
         ({"name": "full", "k": 3}, ["policy.k", "not in"]),
+        (
+            {"name": "per_block", "pattern": ["op_sac"], "params": {"op_sac": {"save_ops": ["aten.nosuchop"]}}},
+            ["policy.params.op_sac.save_ops", "unknown op 'aten.nosuchop'"],
+        ),
+        (
+            {"name": "per_block", "pattern": ["full"], "params": {"fulll": {}}},
+            ["policy.params.fulll", "not a treatment"],
+        ),
+        (
+            {"name": "per_block", "pattern": ["full"], "params": {"offload": {"min_bytes": -1}}},
+            ["policy.params.offload.min_bytes=-1"],
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_clear_line(cfg: Any, words: list[str]) -> None:
@@ -732,3 +747,53 @@ def test_per_block_blocks_override_the_default_pattern() -> None:
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
     apply_policy(model, {"name": "per_block", "pattern": ["full", "none"], "blocks": ["none", "none", "full", "full"]})
     assert model.activation_plan.describe() == "[0-1]:none [2-3]:full"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The seams: a treatment's parameters, the schema each yaml extends, the callbacks a policy brings.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:
+    from trainer.schema import compose_config
+
+    params = ["policy.params.op_sac.save_ops=[aten.addmm]", "policy.params.offload.prefetch=false"]
+    config = compose_config(["policy=per_block", "policy.pattern=[op_sac,offload]", *params])
+    policy = build_policy(config.policy)
+    assert policy.treatment_policy("op_sac").cfg.save_ops == ["aten.addmm"]
+    assert policy.treatment_policy("offload").cfg.prefetch is False
+    # every treatment with parameters is listed under params, from its own Config (the registry, not a hand list)
+    auto = compose_config(["policy=auto", "policy.budget_mib=100"]).policy
+    with_params = {n for n, c in POLICIES.items() if c.treatment and len(dataclasses.fields(c.Config)) > 1}
+    assert set(auto["params"]) == with_params and {"op_sac", "offload"} <= with_params
+    assert list(auto["params"]["op_sac"]["save_ops"]) == list(DEFAULT_SAC_SAVE_OPS)
+    # and a policy's own parameter stays where it was
+    assert build_policy(compose_config(["policy=op_sac", "policy.save_ops=[aten.mm]"]).policy).cfg.save_ops == [
+        "aten.mm"
+    ]
+
+
+def test_policy_yaml_repeats_no_default() -> None:
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF
+
+    for name, cls in POLICIES.items():
+        node = OmegaConf.load(CONF / "policy" / f"{name}.yaml")
+        assert list(node.pop("defaults")) == [f"/policy_schema/{name}@_here_", "_self_"], name
+        schema = config_node(cls)
+        for key, value in node.items():
+            assert key in schema and value != schema[key], f"conf/policy/{name}.yaml repeats {key}={value}"
+
+
+def test_a_policy_brings_its_callbacks() -> None:
+    import callbacks  # noqa: F401  (registers the callbacks the policies bring)
+    from callbacks.planner import AutoPlanCallback
+
+    auto = build_policy({"name": "auto", "budget_mib": 100})
+    (planner,) = auto.callbacks()
+    assert isinstance(planner, AutoPlanCallback) and planner.policy is auto and auto.callbacks() == [planner]
+    assert auto.planned_first and auto.unplanned
+    assert all(build_policy(CASES[c]).callbacks() == [] for c in CASES)
+    with pytest.raises(PolicyError, match="is not planned"):
+        build_policy("full").choose(["none"])

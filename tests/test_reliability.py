@@ -205,8 +205,9 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
     if strategy != "fsdp2":
         return
     # The estimator's one rank of FSDP2 (a fake process group): sharded state, all-gather buffers, activations.
-    from trainer.estimate import compose_config, measure, open_session
+    from trainer.estimate import measure, open_session
     from trainer.policies import build_policy
+    from trainer.schema import compose_config
 
     for p, summary in runs.items():
         config = compose_config([*SMALL, f"trainer={strategy}", f"policy={p}", "model.n_layer=4"])

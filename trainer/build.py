@@ -44,7 +44,7 @@ def hf_config(config: Config) -> Any:
     attn_implementation(cls, config.model.attention)
     policy = build_policy(config.policy)
     depth = getattr(loaded, "num_hidden_layers", None) or getattr(loaded, "n_layer", None)
-    if isinstance(depth, int) and policy.cfg.name != "auto" and not has_attention_seam(cls):
+    if isinstance(depth, int) and not policy.planned_first and not has_attention_seam(cls):
         policy.check(depth, config.model.attention)
         if needs_attention_seam(policy, depth):
             raise no_seam_refusal(policy, cls.__name__)

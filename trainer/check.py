@@ -112,8 +112,8 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     if tolerance is None:
         tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
     policy = build_policy(config.policy)
-    if config.model.family != "hf" or policy.cfg.name == "auto":  # refused before any data is read
-        policy.check(config.model.n_layer or 0, config.model.attention)  # (auto's budget needs no depth)
+    if config.model.family != "hf" or policy.planned_first:  # refused before any data is read
+        policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
     hf_config = build.hf_config(config)
     data = build.data_module(config)
     loader = data.train_dataloader()
@@ -133,19 +133,19 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
         return m
 
     ref, mod = build_one("none"), build_one(policy)
-    if policy.cfg.name == "auto":
+    if policy.planned_first:  # planned on the first batch, as at fit start
         optimizer = default_optimizer(config.optim.weight_decay)
         result = plan_model(
             mod.model,
             batches[0],
-            policy.cfg,
+            policy,
             loss_fns=head_candidates(mod, policy.cfg),
             precision=chosen,
             accum=config.accum,
             make_optimizer=optimizer,
             grad_clip=config.trainer.grad_clip,
         )
-        policy.choose(result.treatments)  # type: ignore[attr-defined]
+        policy.choose(result.treatments)
         apply_policy(mod.model, policy)
         if result.loss and result.loss != mod.loss_config.name:  # the plan's head, on both sides
             mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)

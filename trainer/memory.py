@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-MIB = 2**20
+from trainer.text import MIB
 
 FORWARD = "forward"
 BACKWARD = "backward"

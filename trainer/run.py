@@ -30,7 +30,6 @@ from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
-from callbacks.planner import AutoPlanCallback
 from callbacks.progress import StepProgressBar
 from callbacks.snapshot import MemorySnapshot
 from callbacks.sweep_progress import sweep_progress
@@ -38,12 +37,11 @@ from callbacks.tb_logger import JobTensorBoardLogger, micro, write_tb_layout
 from trainer import build, metrics, precision
 from trainer.data import TextDataModule
 from trainer.errors import RunFailed, UserError
-from trainer.memory import MIB
 from trainer.module import DecoderModule
 from trainer.policies import build_policy, policy_params
 from trainer.rundir import discard_run_dir, write_json_atomic
 from trainer.schema import Config, ConfigError, TrainerConfig, validate
-from trainer.text import one_line
+from trainer.text import MIB, one_line
 
 log = logging.getLogger(__name__)
 # Lightning gives its logger a console handler of its own; under Hydra the root logger already prints and
@@ -214,9 +212,10 @@ class Run:
             config.measure.warmup_steps, config.measure.activation_every_n_steps, max_steps=t.max_steps
         )
         self.guard = NumericGuard(t.on_nonfinite)
-        # policy=auto plans at fit start from a profile of the real batch; after `measure`, so it sees each step.
-        self.planner = AutoPlanCallback() if module.policy.cfg.name == "auto" else None
-        callbacks: list[L.Callback] = [self.measure, self.guard, *([self.planner] if self.planner else []), *extra]
+        # What the policy brings (auto: its planner, at fit start from a profile of the real batch); after `measure`,
+        # so it sees each step.
+        self.policy_callbacks: list[L.Callback] = module.policy.callbacks()
+        callbacks: list[L.Callback] = [self.measure, self.guard, *self.policy_callbacks, *extra]
         callbacks += sweep_progress()  # "job i/n step s/max" in a Hydra multirun; [] otherwise
         m = config.measure
         if m.snapshot_step is not None or m.snapshot_on_oom:
@@ -276,7 +275,7 @@ class Run:
             "model=%s policy=%s plan=%s loss=%s precision=%s | %s params | %d train / %d val tokens",
             config.model.name,
             module.policy.cfg.name,
-            "chosen at fit start" if self.planner else module.model.activation_plan.describe(),
+            "chosen at fit start" if module.policy.planned_first else module.model.activation_plan.describe(),
             config.loss.name,
             config.precision,
             f"{module.adapter.num_parameters():,}",
@@ -295,9 +294,8 @@ class Run:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 status = "interrupted"
             reason = one_line(e) if isinstance(e, NonFiniteError) else f"{type(e).__name__}: {one_line(e)}"
-            self._finish(
-                {**self.identity(), "status": status, "error": reason, **self.measure.summary(), **self.auto_summary()}
-            )
+            summary = {**self.measure.summary(), **self.policy_summary()}
+            self._finish({**self.identity(), "status": status, "error": reason, **summary})
             if status == "interrupted":
                 raise
             raise RunFailed(status, f"{status} at step {self.trainer.global_step}: {reason}") from e
@@ -308,7 +306,7 @@ class Run:
                 **self.identity(),
                 "status": "completed",
                 **self.measure.summary(),
-                **self.auto_summary(),
+                **self.policy_summary(),
                 metrics.FINAL_VAL_LOSS: val_loss,
                 metrics.FINAL_VAL_PPL: math.exp(val_loss) if val_loss is not None else None,
                 "skipped_steps": self.guard.skipped_steps,
@@ -316,8 +314,12 @@ class Run:
             }
         )
 
-    def auto_summary(self) -> dict[str, Any]:
-        return self.planner.summary() if self.planner else {}
+    def policy_summary(self) -> dict[str, Any]:
+        """What the policy's callbacks add to summary.json (auto: its plan, predicted beside measured)."""
+        out: dict[str, Any] = {}
+        for c in self.policy_callbacks:
+            out |= c.summary() if hasattr(c, "summary") else {}
+        return out
 
     def identity(self) -> dict[str, Any]:
         """What this run is: the fields a report groups and sorts by."""

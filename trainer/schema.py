@@ -206,8 +206,15 @@ class Config:
 
 
 def register_configs() -> None:
-    """Make conf/config.yaml's `- schema` default resolve to the dataclass, so Hydra type-checks overrides."""
-    ConfigStore.instance().store(name="schema", node=Config)
+    """Make conf/config.yaml's `- schema` default resolve to the dataclass, so Hydra type-checks overrides, and each
+    conf/policy/<name>.yaml's `- /policy_schema/<name>` to its policy's Config (every parameter overridable, no
+    default repeated in yaml)."""
+    from trainer.policies import POLICIES, config_node
+
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for name, cls in POLICIES.items():
+        store.store(group="policy_schema", name=name, node=config_node(cls))
 
 
 def validate(cfg: DictConfig) -> Config:

@@ -216,6 +216,19 @@ def bare_step(
         meter.phase(OPTIMIZER)
     if before_update is not None:
         before_update()
+    optimizer_phase(params, optimizer, grad_clip, scaler, scheduler)
+    return torch.stack(losses).sum()
+
+
+def optimizer_phase(
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float = 0.0,
+    scaler: Any = None,
+    scheduler: Any = None,
+) -> None:
+    """What follows the last backward: the numeric guard's gradient norm, clipping, the optimizer step (through the
+    16-mixed plugin's GradScaler when there is one), the LR scheduler's step."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # the numeric guard's gradient norm
@@ -228,7 +241,6 @@ def bare_step(
         scaler.update()
     if scheduler is not None:
         scheduler.step()
-    return torch.stack(losses).sum()
 
 
 def optimizers_of(module: Any) -> tuple[torch.optim.Optimizer, Any]:

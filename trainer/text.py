@@ -1,10 +1,18 @@
-"""Text the CLIs, the run and the callbacks print: an exception as one line, rows as a markdown table.
+"""Text the CLIs, the run and the callbacks print: an exception as one line, bytes as MiB, rows as a markdown table.
 
 (models/ imports nothing from trainer/, so models/hf.py keeps a private copy of `one_line`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+MIB = 2**20  # every figure the project prints or logs in MiB divides by this
+
+
+def mib(n: float) -> str:
+    """Bytes as MiB with enough digits to tell small plans apart."""
+    v = n / MIB
+    return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
 
 
 def one_line(e: BaseException, limit: int = 400) -> str:

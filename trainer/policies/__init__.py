@@ -27,7 +27,9 @@ from __future__ import annotations
 from trainer.errors import PolicyError
 from trainer.policies import library
 from trainer.policies.base import (
+    CALLBACKS,
     POLICIES,
+    CompositeConfig,
     Plan,
     Policy,
     PolicyConfig,
@@ -35,10 +37,12 @@ from trainer.policies.base import (
     build_policy,
     check_treatments,
     checkpointed,
+    config_node,
     needs_attention_seam,
     no_seam_refusal,
     policy_params,
     register,
+    register_callback,
     resolve_plan,
     say_once,
     treatments,
@@ -47,7 +51,9 @@ from trainer.policies.install import apply_policy, install_plan, remove_policy
 from trainer.policies.library import *  # noqa: F403
 
 __all__ = [
+    "CALLBACKS",
     "POLICIES",
+    "CompositeConfig",
     "Plan",
     "Policy",
     "PolicyConfig",
@@ -55,6 +61,7 @@ __all__ = [
     "Segment",
     "apply_policy",
     "build_policy",
+    "config_node",
     "check_treatments",
     "checkpointed",
     "install_plan",
@@ -62,6 +69,7 @@ __all__ = [
     "no_seam_refusal",
     "policy_params",
     "register",
+    "register_callback",
     "remove_policy",
     "resolve_plan",
     "say_once",

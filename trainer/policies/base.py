@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -106,6 +106,16 @@ class PolicyConfig:
     name: str = "none"
 
 
+@dataclass
+class CompositeConfig(PolicyConfig):
+    """A policy whose plan names other treatments (per_block, auto). `params` holds each treatment's own parameters
+    under its name, as that treatment's Config declares them: `policy.params.op_sac.save_ops=[aten.mm]`. The
+    schema node (`config_node`) lists every treatment's parameters there, so each is overridable and none is
+    repeated."""
+
+    params: dict[str, Any] = field(default_factory=dict)
+
+
 class Policy:
     """One activation-memory policy: a documented `Config` and a `plan`; a treatment also says how it runs a
     segment (`run`) and whether it recomputes the attention core (`recomputes_core`)."""
@@ -114,10 +124,15 @@ class Policy:
     Config: ClassVar[type[PolicyConfig]] = PolicyConfig
     treatment: ClassVar[bool] = False  # a way to run one block that per_block and auto can name
     recomputes_core: ClassVar[bool] = False  # wraps the attention seam in a checkpoint (selective)
+    # Its plan is chosen on the model before it runs (auto: at fit start, by the callback it brings); until then a
+    # table says `unplanned` for it.
+    planned_first: ClassVar[bool] = False
+    unplanned: ClassVar[str] = ""
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self._children: dict[str, Policy] = {}
+        self._callbacks: list[Any] | None = None
 
     def plan(self, n_layer: int) -> Plan:
         """The blocks' treatments; a treatment's own plan is itself on every block."""
@@ -127,6 +142,17 @@ class Policy:
 
     def check(self, n_layer: int, attention: str) -> None:
         """Refuse parameters that cannot fit this model, before any work starts (one-line PolicyError)."""
+
+    def choose(self, block_treatments: Iterable[str]) -> None:
+        """A planned policy takes the plan its planner chose, one treatment per block."""
+        raise PolicyError(f"policy {self.name} is not planned; its plan is its own")
+
+    def callbacks(self) -> list[Any]:
+        """The Lightning callbacks a run of this policy needs (registered with `register_callback`), made once per
+        policy object: the run, the checker and the estimator ask the policy and name none."""
+        if self._callbacks is None:
+            self._callbacks = [make(self) for make in CALLBACKS.get(self.name, [])]
+        return self._callbacks
 
     # -- treatments -------------------------------------------------------------------------------------------
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
@@ -147,8 +173,8 @@ class Policy:
         return None
 
     def treatment_policy(self, name: str) -> Policy:
-        """The policy object that runs treatment `name` in this policy's plan, with this config's parameters of
-        the same names (a per_block's save_ops go to its op_sac blocks). One object per name, kept."""
+        """The policy object that runs treatment `name` in this policy's plan, with the parameters a composite
+        config gives it (`params[name]`; the treatment's defaults otherwise). One object per name, kept."""
         if name == self.name:
             return self
         if name not in self._children:
@@ -156,18 +182,54 @@ class Policy:
             if cls is None or not cls.treatment:
                 known = ", ".join(treatments())
                 raise PolicyError(f"policy {self.name}: unknown treatment {name!r}; choose from {known}")
-            params = {f.name: getattr(self.cfg, f.name) for f in fields(cls.Config) if hasattr(self.cfg, f.name)}
-            params["name"] = name
-            self._children[name] = build_policy(params)
+            params = (self.cfg.params.get(name) or {}) if isinstance(self.cfg, CompositeConfig) else {}
+            try:
+                self._children[name] = build_policy({**params, "name": name})
+            except (
+                PolicyError
+            ) as e:  # "policy op_sac: policy.save_ops: …" → "policy auto: policy.params.op_sac.save_ops"
+                why = str(e).split(": ", 1)[-1]
+                where = f".{why.removeprefix('policy.')}" if why.startswith("policy.") else f": {why}"
+                raise PolicyError(f"policy {self.name}: policy.params.{name}{where}") from None
         return self._children[name]
 
 
 POLICIES: dict[str, type[Policy]] = {}
+CALLBACKS: dict[str, list[Callable[[Policy], Any]]] = {}  # policy name → what makes the callbacks it brings
 
 
 def register(cls: type[Policy]) -> type[Policy]:
     POLICIES[cls.name] = cls
     return cls
+
+
+def register_callback(policy: str) -> Callable[[Any], Any]:
+    """`@register_callback("auto")` on a callback class (constructed with the policy) that a run of that policy
+    needs: the callbacks package registers them, so the policies import no callback."""
+
+    def add(make: Any) -> Any:
+        CALLBACKS.setdefault(policy, []).append(make)
+        return make
+
+    return add
+
+
+def config_node(cls: type[Policy]) -> DictConfig:
+    """The Hydra schema of a policy's config (conf/policy/<name>.yaml extends it, so yaml repeats no default): its
+    Config's fields, its name, and for a composite every treatment's own parameters under `params`."""
+    # The class's field defaults (no __post_init__: yaml fills the rest), as a plain node: the composed config holds
+    # the policy as a mapping, and build_policy types it against the class.
+    node = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cls.Config)))
+    node.name = cls.name
+    if issubclass(cls.Config, CompositeConfig):
+        params = {}
+        for t in treatments():
+            own = {f.name: f for f in fields(POLICIES[t].Config) if f.name != "name"}
+            if own:
+                values = OmegaConf.to_container(OmegaConf.structured(POLICIES[t].Config))
+                params[t] = {k: v for k, v in values.items() if k in own}  # type: ignore[union-attr]
+        node.params = params
+    return node
 
 
 def treatments() -> tuple[str, ...]:
@@ -207,7 +269,14 @@ def build_policy(cfg: Mapping[str, Any] | DictConfig | PolicyConfig | str) -> Po
         raise PolicyError(f"policy {name}: {('policy.' + key + ': ') if key else ''}{msg}") from None
     except ValueError as e:  # a Config.__post_init__ check
         raise PolicyError(f"policy {name}: {e}") from None
-    return cls(typed)
+    policy = cls(typed)
+    if isinstance(typed, CompositeConfig):  # each treatment's parameters, validated by that treatment's Config
+        for t in typed.params:
+            if t not in treatments():
+                raise PolicyError(f"policy {name}: policy.params.{t}: not a treatment; give one of "
+                                  f"{', '.join(treatments())}")  # fmt: skip
+            policy.treatment_policy(t)
+    return policy
 
 
 def policy_params(policy: Policy) -> dict[str, Any]:

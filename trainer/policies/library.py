@@ -15,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.errors import PolicyError
 from trainer.loss import LOSSES
 from trainer.policies.base import (
+    CompositeConfig,
     Plan,
     Policy,
     PolicyConfig,
@@ -81,22 +82,24 @@ DEFAULT_SAC_SAVE_OPS = [
 class OpSacConfig(PolicyConfig):
     save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAC_SAVE_OPS))
 
+    def __post_init__(self) -> None:
+        for name in self.save_ops:
+            if _packet(name) is None:
+                raise ValueError(f"policy.save_ops: unknown op {name!r}; write it as 'aten.mm' (namespace.op)")
 
-def resolve_ops(names: Iterable[str], policy: str = "op_sac") -> frozenset[Any]:
-    """Op names ('aten.mm', 'aten.mm.default') to op packets; every overload of a named packet matches."""
-    ops = set()
-    for name in names:
-        ns, _, op = str(name).partition(".")
-        try:
-            packet = getattr(getattr(torch.ops, ns), op.split(".")[0]) if ns and op else None
-        except (AttributeError, RuntimeError):
-            packet = None
-        if packet is None:
-            raise PolicyError(
-                f"policy {policy}: policy.save_ops: unknown op {name!r}; write it as 'aten.mm' (namespace.op)"
-            )
-        ops.add(packet)
-    return frozenset(ops)
+
+def _packet(name: str) -> Any:
+    """An op name ('aten.mm', 'aten.mm.default') as its op packet, or None."""
+    ns, _, op = str(name).partition(".")
+    try:
+        return getattr(getattr(torch.ops, ns), op.split(".")[0]) if ns and op else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def resolve_ops(names: Iterable[str]) -> frozenset[Any]:
+    """Op names to op packets (validated by OpSacConfig); every overload of a named packet matches."""
+    return frozenset(_packet(name) for name in names)
 
 
 @register
@@ -106,9 +109,6 @@ class OpLevelSAC(Policy):
     name = "op_sac"
     treatment = True
     Config = OpSacConfig
-
-    def check(self, n_layer: int, attention: str) -> None:
-        resolve_ops(self.cfg.save_ops)
 
     @functools.cached_property
     def context_fn(self) -> Callable[[], Any]:
@@ -225,12 +225,11 @@ class Offload(Policy):
 
 
 @dataclass
-class PerBlockConfig(OpSacConfig, OffloadConfig):
+class PerBlockConfig(CompositeConfig):
     blocks: list[str] = field(default_factory=list)  # one treatment per block, e.g. [full, full, offload, none]
     pattern: list[str] = field(default_factory=list)  # repeated to cover the blocks, e.g. [full, none]
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         # `blocks` wins when given, so `policy.blocks=[...]` works on top of the yaml's default pattern.
         if not self.blocks and not self.pattern:
             raise ValueError("give policy.blocks=[...] (one treatment per block) or policy.pattern=[...] (repeated)")
@@ -263,8 +262,8 @@ class PerBlock(Policy):
 
 
 @dataclass
-class AutoConfig(OpSacConfig, OffloadConfig):
-    """policy=auto: the fastest per-block plan whose predicted whole-step peak fits the budget (trainer/planner.py).
+class AutoConfig(CompositeConfig):
+    """policy=auto: the fastest per-block plan whose predicted whole-step peak fits the budget (trainer/planner/).
 
     The budget bounds the step's whole peak as the run reports it (`peak_total_mib`: the CUDA allocator's peak, or
     the live-tensor tracker's on CPU). Give exactly one of budget_mib, budget_gb (10^9 bytes) or budget_fraction
@@ -289,7 +288,6 @@ class AutoConfig(OpSacConfig, OffloadConfig):
         return [k for k in self.BUDGET_KEYS if getattr(self, k) is not None]
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         given = self.budgets_given
         if len(given) > 1:
             raise ValueError(
@@ -320,7 +318,8 @@ class AutoConfig(OpSacConfig, OffloadConfig):
 
 @register
 class Auto(Policy):
-    """The memory-budget planner's policy: a per-block plan chosen at fit start by `callbacks.planner`.
+    """The memory-budget planner's policy: a per-block plan chosen at fit start by the callback it brings
+    (`callbacks.planner`, registered for it).
 
     `plan()` installs the chosen treatments (`choose`); before a choice is made it checkpoints every block (`full`,
     the frugal default), so a model used without the planning callback never exceeds what `full` needs.
@@ -328,8 +327,9 @@ class Auto(Policy):
 
     name = "auto"
     Config = AutoConfig
+    planned_first = True
+    unplanned = "needs a budget (policy=auto policy.budget_mib=…) to plan"
     chosen: tuple[str, ...] | None = None  # the planner's treatments, one per block
-    planned_by: Any = None  # weak reference to the callback that planned it (one planner per model)
 
     def choose(self, block_treatments: Iterable[str]) -> None:
         chosen = tuple(block_treatments)
@@ -349,8 +349,6 @@ class Auto(Policy):
                 f"policy auto: policy.budget_fraction={self.cfg.budget_fraction} is a fraction of a CUDA device's "
                 "memory and there is none here; give policy.budget_mib=… instead"
             )
-        if "op_sac" in self.cfg.treatment_candidates:
-            resolve_ops(self.cfg.save_ops, self.name)
         if self.chosen is not None and len(self.chosen) != n_layer:
             raise PolicyError(f"policy auto: the chosen plan has {len(self.chosen)} blocks, the model {n_layer}")
 

@@ -1,7 +1,7 @@
 """The estimator's session: the configured LightningModule built on fake tensors of the estimate's device and stepped
 as Lightning steps it, and `measure`, one policy's figures from it (what a run logs: memory/activation_peak_mib and
-memory/peak_total_mib, and the step's FLOPs). The tables and the CLI (trainer/estimate.py) and the planner's
-config-level entry (trainer/planner.py) both stand on this module, which imports neither.
+memory/peak_total_mib, and the step's FLOPs). The tables, the CLI and a configuration's plan stand on this module,
+which imports none of them.
 
 Devices. The fake tensors live on the device the run would use: with a CUDA device visible, fake CUDA tensors run
 CUDA's kernels, dropout masks and autocast rules. Without one (or with `--device cuda` on a CPU-only torch), the
@@ -213,12 +213,12 @@ def _one_line_when_unrunnable() -> Iterator[None]:
             ft.DynamicOutputShapeException: "its output's shape depends on tensor values, which fake tensors lack",
             ft.DataDependentOutputException: "it reads a tensor's value in Python, which fake tensors lack",
         }.get(type(e), "torch has no fake (meta) kernel for it")
-        torch_dir, here = Path(torch.__file__).parent, Path(__file__).parent
+        torch_dir, trainer_dir = Path(torch.__file__).parent, Path(__file__).parents[1]
         where = "the model"
         tb = e.__traceback__
         while tb is not None:  # the innermost frame outside torch and the trainer: the model's own code
             path = Path(tb.tb_frame.f_code.co_filename)
-            if not (path.is_relative_to(torch_dir) or path.parent == here):
+            if not (path.is_relative_to(torch_dir) or path.is_relative_to(trainer_dir)):
                 where = f"{tb.tb_frame.f_code.co_qualname} ({path.name}:{tb.tb_lineno})"
             tb = tb.tb_next
         raise ConfigError(f"cannot estimate this model on fake tensors: {e.func} in {where}, because {why}") from None

@@ -1,262 +1,24 @@
-"""Memory and FLOPs of a training configuration under every policy, before any GPU hour: the real model, run on
-fake tensors.
-
-    python -m trainer.estimate model=llama2-7b batch_size=8 seq_len=4096 policy=full --budget 80GB
-    python -m trainer.estimate model=llama3-8b seq_len=8192 loss=chunked --json est.json
-    python -m trainer.estimate policy=selective --device cuda
-
-The same Hydra overrides as train.py compose the same config. The estimator builds the LightningModule exactly as a
-run does (the model of any family, the policy installed through the decoder contract, the loss head, AdamW and its
-schedule, the precision plugin's module conversion) inside `torch._subclasses.fake_tensor.FakeTensorMode`, so no
-weight or activation is ever allocated, and runs one steady-state optimizer step as Lightning runs it
-(`trainer.step.bare_step`: forward in Lightning's own precision context with last step's gradients alive, zero_grad,
-backward, the numeric guard's norm, clipping, AdamW, the LR step) under the same `StepMeter` the measuring callback
-uses. The two figures are therefore the two a run logs: `activation_bytes` = memory/activation_peak_mib and
-`peak_bytes` = memory/peak_total_mib. FLOPs come from torch's FlopCounterMode over the same step.
-
-The session (the module on fake tensors, stepped once, and `measure`) is trainer/session.py; this module makes the
-tables from it and is the CLI.
-"""
+"""`python -m trainer.estimate`: the tables printed (and written as JSON), the budget verdict, the planner's plan for
+a planned policy first."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import OmegaConf
-
 from trainer import step as step_
-from trainer.loss import LOSSES
-from trainer.memory import MIB
-from trainer.policies import POLICIES, Plan, Policy, PolicyError, build_policy, resolve_plan
+from trainer.estimate.plan import planner_plan
+from trainer.estimate.session import Estimate, Session, estimate_device, measure, open_session
+from trainer.estimate.tables import _quiet_policy_notices, estimate_tables
+from trainer.policies import Plan, build_policy
 from trainer.rundir import write_json_atomic
-from trainer.schema import CONF, Config, OneLineParser, compose_config
-from trainer.session import (
-    CudaKernelRules,
-    Estimate,
-    Session,
-    estimate,
-    estimate_device,
-    measure,
-    open_session,
-)
-
-log = logging.getLogger(__name__)
-
-
-def default_policy(name: str) -> Policy:
-    """A registered policy with the parameters of its conf/policy/<name>.yaml (the class defaults without one)."""
-    path = CONF / "policy" / f"{name}.yaml"
-    return build_policy(OmegaConf.load(path) if path.is_file() else {"name": name})
-
-
-Task = tuple[str, str | None]  # (policy, loss head; None: the configured one)
-
-
-def estimate_all(
-    config: Config,
-    device: str | None = None,
-    plans: dict[str, Plan] | None = None,
-    autocast_cache: bool = False,
-    session: Session | None = None,
-    known: Estimate | None = None,
-    workers: int = 1,
-) -> dict[str, Estimate | str]:
-    """Every registered policy: the configured one with its parameters, the others with their conf defaults;
-    `plans` gives a policy's plan (the one a planner chose for `auto`). A policy that cannot run this model (e.g.
-    policy.k > n_layer) maps to its one-line reason; `auto` without a plan is left out. `known`: the configured
-    policy's estimate, already made. See `estimate_tables` for `workers`."""
-    table, _ = estimate_tables(config, device, plans, autocast_cache, session, known, workers, losses=False)
-    return table
-
-
-def estimate_tables(
-    config: Config,
-    device: str | None = None,
-    plans: dict[str, Plan] | None = None,
-    autocast_cache: bool = False,
-    session: Session | None = None,
-    known: Estimate | None = None,
-    workers: int = 1,
-    losses: bool = True,
-    policies: bool = True,
-    first: Callable[[], Estimate] | None = None,
-) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
-    """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
-    policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
-    are started (so their start-up overlaps it); it stands for `known`.
-
-    A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
-    offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
-    other processes, each with a session of its own: the fake run is Python-bound, so on 2 cores the tables of a 7B
-    model take about half the time."""
-    session = session or open_session(config, device, autocast_cache)
-    configured = build_policy(config.policy).cfg.name
-    table: dict[str, Estimate | str] = {}
-    heads: dict[str, Estimate | str] = {}
-    tasks: list[Task] = []
-    own_policy = known.policy if known is not None else configured if first is not None else None
-    own_loss = known.loss if known is not None else config.loss.name if first is not None else None
-    for name in POLICIES:
-        if name == own_policy:
-            if known is not None:
-                table[name] = known
-        elif not policies:
-            continue
-        elif name == "auto" and (plans or {}).get("auto") is None:
-            table[name] = "needs a budget (policy=auto policy.budget_mib=…) to plan"
-        else:
-            tasks.append((name, None))
-    for name in LOSSES if losses else ():
-        if name == own_loss:
-            if known is not None:
-                heads[name] = known
-        else:
-            tasks.append((configured, name))
-    shares = _split(tasks, workers, session, config, plans, first is not None) if workers > 1 else [tasks]
-    pool = None
-    futures = []
-    if len(shares) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        pool = ProcessPoolExecutor(len(shares) - 1, mp_context=multiprocessing.get_context("spawn"))
-        futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
-    done: dict[Task, Estimate | str] = {}
-    try:
-        if first is not None:
-            known = first()
-            table[known.policy] = known
-            if losses:
-                heads[known.loss] = known
-        done |= _run_tasks(config, session.device, plans, autocast_cache, shares[0], session, known)
-        for f in futures:
-            done |= f.result()
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    for (name, loss), value in done.items():
-        if loss is None:
-            table[name] = value
-        else:
-            heads[loss] = value
-    return ({n: table[n] for n in POLICIES if n in table}, {n: heads[n] for n in LOSSES if n in heads})
-
-
-def _run_tasks(
-    config: Config,
-    device: str,
-    plans: dict[str, Plan] | None,
-    autocast_cache: bool,
-    tasks: list[Task],
-    session: Session | None = None,
-    known: Estimate | None = None,
-) -> dict[Task, Estimate | str]:
-    """Each (policy, loss head) of `tasks` on `session` (a new one in a worker process), each run measured once."""
-    own = session is None
-    session = session or open_session(config, device, autocast_cache)
-    configured = build_policy(config.policy)
-    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
-    measured: dict[tuple[str, str], Estimate] = {}
-    if known is not None:
-        measured[(_same_run(known.plan, fake_cpu), known.loss)] = known
-    current = config.loss
-    out: dict[Task, Estimate | str] = {}
-    try:
-        for name, loss_name in tasks:
-            try:
-                policy = configured if name == configured.cfg.name else default_policy(name)
-                if name == "auto":
-                    policy.choose((plans or {})["auto"].treatments)  # type: ignore[attr-defined]
-                loss = None if loss_name is None else replace(current, name=loss_name)
-                with _quiet_policy_notices():
-                    policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
-                    plan = resolve_plan(policy, session.module.adapter).describe()
-                    key = (_same_run(plan, fake_cpu), loss_name or current.name)
-                    if key in measured:
-                        out[(name, loss_name)] = replace(measured[key], policy=name, plan=plan)
-                        continue
-                    out[(name, loss_name)] = measured[key] = measure(session, policy, loss)
-            except (PolicyError, ValueError) as e:  # a policy this model refuses; a loss head this torch lacks
-                out[(name, loss_name)] = str(e)
-    finally:
-        if own:
-            session.close()
-    return out
-
-
-def _split(
-    tasks: list[Task], workers: int, session: Session, config: Config, plans: dict[str, Plan] | None, first: bool
-) -> list[list[Task]]:
-    """Tasks into `workers` shares of about equal work: tasks that run the same step (one is measured, the others
-    take its figures) stay together, this process also makes the configured estimate (`first`), and a worker spends
-    about a step's time starting up."""
-    if len(tasks) <= 2:
-        return [tasks]
-    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
-    configured = build_policy(config.policy)
-    groups: dict[Any, list[Task]] = {}
-    for name, loss in tasks:
-        policy = configured if name == configured.cfg.name else default_policy(name)
-        try:
-            if name == "auto":
-                policy.choose((plans or {})["auto"].treatments)  # type: ignore[attr-defined]
-            with _quiet_policy_notices():
-                policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
-            key: Any = (_same_run(resolve_plan(policy, session.module.adapter).describe(), fake_cpu), loss)
-        except PolicyError:
-            key = (name, loss)  # refused: no step, nearly free
-        groups.setdefault(key, []).append((name, loss))
-    shares: list[list[Task]] = [[] for _ in range(workers)]
-    load = [1.0 if first else 0.0] + [1.0] * (workers - 1)
-    for group in groups.values():
-        i = min(range(workers), key=lambda k: load[k])
-        shares[i] += group
-        load[i] += 1.0
-    return [s for s in shares if s] if shares[0] else [tasks]
-
-
-def _same_run(plan: str, fake_cpu: bool) -> str:
-    """Plans that run the same step: on CPU kernels `offload` moves nothing, so it is `none`."""
-    return plan.replace(":offload", ":none") if fake_cpu else plan
-
-
-@contextlib.contextmanager
-def _quiet_policy_notices() -> Iterator[None]:
-    """Estimating every policy must not print each one's one-time notice (e.g. offload on CPU)."""
-    from trainer import policies
-
-    logger = logging.getLogger(policies.__name__)
-    level = logger.level
-    said = set(policies.base._said)
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        policies.base._said.intersection_update(said)  # a later real run still gets its notice
-
-
-def planner_plan(config: Config, device: str) -> tuple[Plan, str, str]:
-    """policy=auto: the plan, loss head and explanation trainer/planner.py chooses (a PolicyError when none fits),
-    profiled on fake tensors like the rest of the estimate: bytes as a run measures them, step times ranked by
-    FLOPs (a run plans on measured times, so near-equal plans may differ)."""
-    from trainer.planner import plan_for_config
-
-    return plan_for_config(config, device, fake=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The command line.
-# ----------------------------------------------------------------------------------------------------
+from trainer.schema import OneLineParser, compose_config
+from trainer.text import MIB
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -482,13 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = estimate_device(config, args.device)
         plans: dict[str, Plan] = {}
         preface = ""
-        if policy.cfg.name == "auto":
+        if policy.planned_first:
             if config.model.family != "hf":
                 with _quiet_policy_notices():
                     policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line, exit 2
             plan, loss_name, preface = planner_plan(config, device)
-            plans = {"auto": plan}
-            policy.choose(plan.treatments)  # type: ignore[attr-defined]
+            plans = {policy.cfg.name: plan}
+            policy.choose(plan.treatments)
             if loss_name and loss_name != config.loss.name:
                 config.loss = replace(config.loss, name=loss_name)
         session = open_session(config, device, args.autocast_cache)
@@ -532,10 +294,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
     return 0
-
-
-__all__ = ["CudaKernelRules", "Estimate", "Session", "estimate", "estimate_all", "main", "measure", "open_session"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.estimate.cli import main
+
+sys.exit(main())

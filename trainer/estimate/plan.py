@@ -1,0 +1,86 @@
+"""A configuration's plan: the planner run on the configured model (as a run builds it) and a random micro-batch of
+the configured shape, on fake tensors (the estimator's session: a model of any size, bytes as measured, times as
+FLOPs) or on real ones (the device the run would train on)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from trainer import build
+from trainer import precision as precision_
+from trainer.errors import PolicyError
+from trainer.estimate.session import open_session
+from trainer.module import DecoderModule, param_groups
+from trainer.planner import PlanResult, default_optimizer, head_candidates, plan_model
+from trainer.policies import Plan, Policy, build_policy
+from trainer.schema import Config
+
+
+def _plan_module(config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str) -> PlanResult:
+    policy.check(module.adapter.n_layer, module.adapter.attention)
+    return plan_model(
+        module.model,
+        batch,
+        policy,
+        loss_fns=head_candidates(module, policy.cfg),
+        precision=precision,
+        accum=config.accum,
+        make_optimizer=default_optimizer(config.optim.weight_decay),
+        param_groups=param_groups(module.model, config.optim.weight_decay),
+        grad_clip=config.trainer.grad_clip,
+    )
+
+
+def plan_result_for_config(config: Config, device: torch.device | str | None = None, fake: bool = False) -> PlanResult:
+    """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
+    configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (the estimator's
+    session), so a model of any size is planned without its memory: bytes are as measured, times are FLOPs."""
+    policy = build_policy(config.policy)
+    if not policy.planned_first:
+        raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
+    if fake:
+        session = open_session(config, None if device is None else torch.device(device).type)
+        with contextlib.closing(session), session.active():
+            for p in session.module.parameters():  # the profile measures its own state from none
+                p.grad = None
+            return _plan_module(config, session.module, policy, session.batches[0], session.precision)
+    device = torch.device(device if device is not None else build.train_device(config))
+    chosen, _ = precision_.resolve(config.precision, device.type)
+    cpu = torch.get_rng_state()
+    try:
+        torch.manual_seed(config.seed)
+        module = build.module(config, "none", hf_config=build.hf_config(config))
+        module = precision_.plugin(chosen, device.type).convert_module(module).to(device)
+        vocab = module.adapter.head.weight.shape[0]
+        g = torch.Generator().manual_seed(config.seed)
+        shape = (config.batch_size, config.seq_len)
+        batch = (torch.randint(0, vocab, shape, generator=g).to(device),
+                 torch.randint(0, vocab, shape, generator=g).to(device))  # fmt: skip
+    finally:
+        torch.set_rng_state(cpu)
+    return _plan_module(config, module, policy, batch, chosen)
+
+
+def plan_for_config(
+    config: Config, device: torch.device | str | None = None, fake: bool = False
+) -> tuple[Plan, str, str]:
+    """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan, its loss head and its
+    explanation.
+
+    Builds the configured model and a random micro-batch of the configured shape (on CUDA when the config would
+    train there, else CPU), profiles and solves exactly as training does at fit start (same function), so both
+    arrive at the same plan up to timing noise between near-equal plans. Raises the one-line PolicyError when
+    nothing fits.
+    """
+    result = plan_result_for_config(config, device, fake)
+    return result.plan, result.loss, result.text()
+
+
+def planner_plan(config: Config, device: str) -> tuple[Plan, str, str]:
+    """A planned policy's plan, loss head and explanation (a PolicyError when none fits), profiled on fake tensors
+    like the rest of the estimate: bytes as a run measures them, step times ranked by FLOPs (a run plans on
+    measured times, so near-equal plans may differ)."""
+    return plan_for_config(config, device, fake=True)

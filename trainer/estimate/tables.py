@@ -1,0 +1,213 @@
+"""The estimator's tables: every registered policy and every loss head measured on one session (in worker processes
+when asked), a policy that cannot run this model mapped to its one-line reason."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from trainer.estimate.session import Estimate, Session, measure, open_session
+from trainer.loss import LOSSES
+from trainer.policies import POLICIES, Plan, Policy, PolicyError, build_policy, resolve_plan
+from trainer.schema import CONF, Config
+
+
+def default_policy(name: str) -> Policy:
+    """A registered policy with the parameters of its conf/policy/<name>.yaml (the class defaults without one)."""
+    path = CONF / "policy" / f"{name}.yaml"
+    node = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
+    node.pop("defaults", None)  # the yaml extends its Config (`- /policy_schema/<name>`): its own values only
+    return build_policy({**OmegaConf.to_container(node), "name": name})  # type: ignore[dict-item]
+
+
+Task = tuple[str, str | None]  # (policy, loss head; None: the configured one)
+
+
+def estimate_all(
+    config: Config,
+    device: str | None = None,
+    plans: dict[str, Plan] | None = None,
+    autocast_cache: bool = False,
+    session: Session | None = None,
+    known: Estimate | None = None,
+    workers: int = 1,
+) -> dict[str, Estimate | str]:
+    """Every registered policy: the configured one with its parameters, the others with their conf defaults;
+    `plans` gives a policy's plan (the one a planner chose for `auto`). A policy that cannot run this model (e.g.
+    policy.k > n_layer) maps to its one-line reason; `auto` without a plan is left out. `known`: the configured
+    policy's estimate, already made. See `estimate_tables` for `workers`."""
+    table, _ = estimate_tables(config, device, plans, autocast_cache, session, known, workers, losses=False)
+    return table
+
+
+def estimate_tables(
+    config: Config,
+    device: str | None = None,
+    plans: dict[str, Plan] | None = None,
+    autocast_cache: bool = False,
+    session: Session | None = None,
+    known: Estimate | None = None,
+    workers: int = 1,
+    losses: bool = True,
+    policies: bool = True,
+    first: Callable[[], Estimate] | None = None,
+) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
+    """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
+    policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
+    are started (so their start-up overlaps it); it stands for `known`.
+
+    A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
+    offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
+    other processes, each with a session of its own: the fake run is Python-bound, so on 2 cores the tables of a 7B
+    model take about half the time."""
+    session = session or open_session(config, device, autocast_cache)
+    configured = build_policy(config.policy).cfg.name
+    table: dict[str, Estimate | str] = {}
+    heads: dict[str, Estimate | str] = {}
+    tasks: list[Task] = []
+    own_policy = known.policy if known is not None else configured if first is not None else None
+    own_loss = known.loss if known is not None else config.loss.name if first is not None else None
+    for name in POLICIES:
+        if name == own_policy:
+            if known is not None:
+                table[name] = known
+        elif not policies:
+            continue
+        elif POLICIES[name].planned_first and (plans or {}).get(name) is None:
+            table[name] = POLICIES[name].unplanned
+        else:
+            tasks.append((name, None))
+    for name in LOSSES if losses else ():
+        if name == own_loss:
+            if known is not None:
+                heads[name] = known
+        else:
+            tasks.append((configured, name))
+    shares = _split(tasks, workers, session, config, plans, first is not None) if workers > 1 else [tasks]
+    pool = None
+    futures = []
+    if len(shares) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(len(shares) - 1, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
+    done: dict[Task, Estimate | str] = {}
+    try:
+        if first is not None:
+            known = first()
+            table[known.policy] = known
+            if losses:
+                heads[known.loss] = known
+        done |= _run_tasks(config, session.device, plans, autocast_cache, shares[0], session, known)
+        for f in futures:
+            done |= f.result()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    for (name, loss), value in done.items():
+        if loss is None:
+            table[name] = value
+        else:
+            heads[loss] = value
+    return ({n: table[n] for n in POLICIES if n in table}, {n: heads[n] for n in LOSSES if n in heads})
+
+
+def _run_tasks(
+    config: Config,
+    device: str,
+    plans: dict[str, Plan] | None,
+    autocast_cache: bool,
+    tasks: list[Task],
+    session: Session | None = None,
+    known: Estimate | None = None,
+) -> dict[Task, Estimate | str]:
+    """Each (policy, loss head) of `tasks` on `session` (a new one in a worker process), each run measured once."""
+    own = session is None
+    session = session or open_session(config, device, autocast_cache)
+    configured = build_policy(config.policy)
+    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
+    measured: dict[tuple[str, str], Estimate] = {}
+    if known is not None:
+        measured[(_same_run(known.plan, fake_cpu), known.loss)] = known
+    current = config.loss
+    out: dict[Task, Estimate | str] = {}
+    try:
+        for name, loss_name in tasks:
+            try:
+                policy = configured if name == configured.cfg.name else default_policy(name)
+                if name in (plans or {}):
+                    policy.choose(plans[name].treatments)  # type: ignore[index]
+                loss = None if loss_name is None else replace(current, name=loss_name)
+                with _quiet_policy_notices():
+                    policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
+                    plan = resolve_plan(policy, session.module.adapter).describe()
+                    key = (_same_run(plan, fake_cpu), loss_name or current.name)
+                    if key in measured:
+                        out[(name, loss_name)] = replace(measured[key], policy=name, plan=plan)
+                        continue
+                    out[(name, loss_name)] = measured[key] = measure(session, policy, loss)
+            except (PolicyError, ValueError) as e:  # a policy this model refuses; a loss head this torch lacks
+                out[(name, loss_name)] = str(e)
+    finally:
+        if own:
+            session.close()
+    return out
+
+
+def _split(
+    tasks: list[Task], workers: int, session: Session, config: Config, plans: dict[str, Plan] | None, first: bool
+) -> list[list[Task]]:
+    """Tasks into `workers` shares of about equal work: tasks that run the same step (one is measured, the others
+    take its figures) stay together, this process also makes the configured estimate (`first`), and a worker spends
+    about a step's time starting up."""
+    if len(tasks) <= 2:
+        return [tasks]
+    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
+    configured = build_policy(config.policy)
+    groups: dict[Any, list[Task]] = {}
+    for name, loss in tasks:
+        policy = configured if name == configured.cfg.name else default_policy(name)
+        try:
+            if name in (plans or {}):
+                policy.choose(plans[name].treatments)  # type: ignore[index]
+            with _quiet_policy_notices():
+                policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
+            key: Any = (_same_run(resolve_plan(policy, session.module.adapter).describe(), fake_cpu), loss)
+        except PolicyError:
+            key = (name, loss)  # refused: no step, nearly free
+        groups.setdefault(key, []).append((name, loss))
+    shares: list[list[Task]] = [[] for _ in range(workers)]
+    load = [1.0 if first else 0.0] + [1.0] * (workers - 1)
+    for group in groups.values():
+        i = min(range(workers), key=lambda k: load[k])
+        shares[i] += group
+        load[i] += 1.0
+    return [s for s in shares if s] if shares[0] else [tasks]
+
+
+def _same_run(plan: str, fake_cpu: bool) -> str:
+    """Plans that run the same step: on CPU kernels `offload` moves nothing, so it is `none`."""
+    return plan.replace(":offload", ":none") if fake_cpu else plan
+
+
+@contextlib.contextmanager
+def _quiet_policy_notices() -> Iterator[None]:
+    """Estimating every policy must not print each one's one-time notice (e.g. offload on CPU)."""
+    from trainer import policies
+
+    logger = logging.getLogger(policies.__name__)
+    level = logger.level
+    said = set(policies.base._said)
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        policies.base._said.intersection_update(said)  # a later real run still gets its notice

@@ -1,0 +1,496 @@
+"""The planner's measuring half: one micro-batch of the real model, block by block, into a Profile.
+
+What is measured (LiveTensorTracker, so CPU and CUDA alike; the budget is MiB of the same whole-step figure the
+measuring callback reports as `peak_total_mib`):
+
+* per block and treatment, the block run alone on its real input and with the arguments the model passes it (its
+  context: rotary table, mask), under the treatment, installed as training installs it (`install_plan` with a
+  plan that gives this block the treatment and every other block `none`): the bytes it keeps from its forward
+  until its backward (its input included, its output left to the next block), before and after autocast lets go of
+  its weight copies; the peak of its forward; the extra bytes at the peak of its backward (recompute, gradients in
+  flight, its parameters' new gradients); and its forward and backward time (median of `repeats`, pooled over
+  blocks of identical structure, whose bytes are identical too and are measured once);
+* the rest of the model (embedding and loss head) in the same way, with the block stack cut out, once per loss
+  head the planner may choose;
+* the training state: parameters and buffers, gradients, optimizer state (a throw-away optimizer of the run's
+  kind with lr=0 on the real parameters, so nothing changes), and the peak of the step's optimizer phase
+  (`trainer.step.optimizer_phase`: the guard's norm, clipping, the update).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.adapter import DecoderAdapter, adapter_for
+from trainer import precision as precision_
+from trainer.memory import LiveTensorTracker
+from trainer.planner.peak import Cost, Profile
+from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
+from trainer.step import optimizer_phase
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Context = tuple[tuple[Any, ...], dict[str, Any]]  # a layer's arguments after the hidden states
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _storage_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _unique_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def _block_signature(block: nn.Module) -> tuple[Any, ...]:
+    """Blocks with equal signatures have byte-identical profiles (same code, shapes, dtypes, options)."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+    bufs = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
+    opts = tuple(
+        (n, type(m).__name__, getattr(m, "p", None), getattr(m, "attention", None)) for n, m in block.named_modules()
+    )
+    return params, bufs, opts
+
+
+@dataclass
+class _Timer:
+    """Median wall time of a few repetitions (CUDA-synchronised)."""
+
+    device: torch.device
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(self.device)
+        return out, (time.perf_counter() - t0) * 1e3
+
+
+# Fake tensors (the estimator's planner) have no clock: a run's "milliseconds" are its FLOPs at this rate, which ranks
+# plans by the compute they spend (recompute included), not by what a device would take.
+FAKE_FLOPS_PER_MS = 1e9  # 1 TFLOP/s: a "millisecond" is a GFLOP
+FAKE_MS_NOTE = "fake tensors: each 'ms' is a GFLOP (FLOPs at 1 TFLOP/s), a ranking by compute, not a time"
+
+
+@dataclass
+class _FlopClock:
+    """The planner's clock on fake tensors: FLOPs (torch's formulas) at FAKE_FLOPS_PER_MS."""
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        from trainer.flops import FlopTally
+
+        with FlopTally() as tally:
+            out = fn()
+        return out, tally.total / FAKE_FLOPS_PER_MS
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _peak_since(tracker: LiveTensorTracker, n: int, floor: int) -> int:
+    return max([floor] + [p.live_bytes for p in tracker.timeline[n:]])
+
+
+@dataclass
+class _Run:
+    """What every measurement of one profile shares: the model, how a forward runs, the clock, the repetitions."""
+
+    adapter: DecoderAdapter
+    forward_context: Callable[[], Any]
+    timer: Any
+    repeats: int
+    device_type: str
+    timing: bool
+
+    def tracker(self) -> LiveTensorTracker:
+        return LiveTensorTracker(record_timeline=True, device=self.device_type)
+
+    def median_ms(self, fn: Callable[[], float]) -> float:
+        return statistics.median([fn() for _ in range(self.repeats)]) if self.timing else 0.0
+
+
+def _run_block(
+    run: _Run, layer: nn.Module, x_src: torch.Tensor, context: Context, w: torch.Tensor,
+    tracker: LiveTensorTracker | None,
+) -> dict[str, float]:  # fmt: skip
+    """Forward (in the precision plugin's forward context) then backward of one layer on a copy of its real input,
+    called with the arguments the model passes it.
+
+    The backward's seed is `(y * w).sum()`: autograd makes the incoming gradient (as the next block would hand
+    it over) and nothing in Python holds it, so it is freed as it would be in the chain.
+    """
+    out: dict[str, float] = {}
+    x = x_src.detach().clone().requires_grad_(True)
+    args, kwargs = context
+    n0 = len(tracker.timeline) if tracker else 0
+    start = tracker.live_bytes if tracker else 0
+
+    def forward() -> torch.Tensor:
+        with run.forward_context():
+            y = layer(x, *args, **kwargs)
+            if tracker:
+                out["end_fwd"] = tracker.live_bytes
+        return y
+
+    y, out["fwd_ms"] = run.timer(forward)
+    if tracker:
+        out["fwd_peak"] = _peak_since(tracker, n0, start)
+        out["after_exit"] = tracker.live_bytes
+        out["y"] = _storage_bytes(y)
+    seed = (y * w).sum()
+    n1 = len(tracker.timeline) if tracker else 0
+    level = tracker.live_bytes if tracker else 0
+    _, out["bwd_ms"] = run.timer(seed.backward)
+    if tracker:
+        out["bwd_peak"] = _peak_since(tracker, n1, level)
+    return out
+
+
+def profile(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    loss_fn: Callable[[Batch], torch.Tensor] | Mapping[str, Callable[..., torch.Tensor]],
+    precision: str,
+    make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    param_groups: list[dict[str, Any]] | None = None,
+    accum: int = 1,
+    treatments: Sequence[str] = ("none", "selective", "op_sac", "full"),
+    policy: Policy | None = None,
+    repeats: int = 3,
+    grad_clip: float = 0.0,
+    timing: bool = True,
+    resident: Sequence[torch.Tensor] = (),
+) -> Profile:
+    """Measure what the planner needs on one micro-batch (see the module docstring).
+
+    `model` meets the decoder contract (models/adapter.py); its installed policy is removed (the caller installs
+    the plan). `loss_fn(batch)` is the training forward (the module's `loss_of`), or {loss name: loss_fn}: the
+    embedding and head are then profiled under each and the Profile's `heads` holds one Profile per name (the
+    first is this one). `policy`: the policy whose treatment parameters the blocks run with (auto's `params`).
+    `make_optimizer(groups)` builds an optimizer of the run's kind; it is given lr=0 groups over the real
+    parameters and stepped on zero gradients, which leaves every parameter bit-for-bit as it was. The caller
+    restores RNG state if it matters (dropout draws from it). `resident`: training-state tensors already on the
+    device that the profile measures anyway (a resumed run's optimizer state), so that they are not also counted as
+    memory the tracker cannot see (CUDA).
+    """
+    policy = policy or build_policy({"name": "per_block", "pattern": ["none"]})
+    losses = dict(loss_fn) if isinstance(loss_fn, Mapping) else {"": loss_fn}
+    device = batch[0].device
+    fake = _is_fake(batch[0])
+    adapter = adapter_for(model)
+    run = _Run(
+        adapter=adapter,
+        forward_context=precision_.plugin(precision, device.type).forward_context,
+        timer=_FlopClock() if fake else _Timer(device),
+        repeats=repeats,
+        device_type=device.type,
+        timing=timing,
+    )
+    params = list(model.parameters())
+    saved_grads = [p.grad for p in params]
+    was_training = model.training
+    remove_policy(model)
+    model.train()
+    try:
+        for p in params:
+            p.grad = None
+        blocks = _profile_blocks(run, batch, next(iter(losses.values())), treatments, policy)
+        rests = {name: _profile_rest(run, batch, fn) for name, fn in losses.items()}
+        opt = _profile_optimizer(run, make_optimizer, param_groups, grad_clip)
+    finally:
+        for p, g in zip(params, saved_grads, strict=True):
+            p.grad = g
+        remove_policy(model)
+        model.train(was_training)
+    untracked = 0
+    if device.type == "cuda" and not fake:
+        state = [*model.parameters(), *model.buffers(), *resident]
+        untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
+    common = {
+        "treatments": tuple(treatments),
+        **blocks,
+        "params": opt["params"],
+        "grads": opt["grads"],
+        "optimizer": opt["optimizer"],
+        "opt_peak": opt["peak"],
+        "opt_ms": opt["ms"],
+        "micro_batch": batch[0].shape[0],
+        "seq_len": batch[0].shape[1],
+        "accum": accum,
+        "precision": precision,
+        "device": device.type,
+        "prefetch": bool(policy.treatment_policy("offload").cfg.prefetch),
+        "untracked": untracked,
+    }
+    profiles = {
+        name: Profile(
+            **common,
+            **{k: v for k, v in rest.items() if k != "ms"},
+            rest_ms=rest["ms"],
+            loss=name,
+            notes=[FAKE_MS_NOTE] if fake else [],
+        )  # fmt: skip
+        for name, rest in rests.items()
+    }
+    primary = next(iter(profiles.values()))
+    primary.heads = profiles
+    return primary
+
+
+def _block_inputs(run: _Run, batch: Batch, loss_fn: Callable[..., Any], firsts: set[int]) -> tuple[
+    dict[int, torch.Tensor], list[Context]
+]:  # fmt: skip
+    """One no-grad pass over the micro-batch: the real input of the layers in `firsts`, and every layer's
+    arguments (its context), as the model's own loop passes them."""
+    inputs: dict[int, torch.Tensor] = {}
+    contexts: list[Context] = [((), {}) for _ in range(run.adapter.n_layer)]
+
+    def record(i: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if i in firsts:
+            inputs[i] = args[0].detach()
+        contexts[i] = (tuple(args[1:]), dict(kwargs))
+
+    hooks = [
+        layer.register_forward_pre_hook(functools.partial(record, i), with_kwargs=True)
+        for i, layer in enumerate(run.adapter.layers)
+    ]
+    try:
+        with torch.no_grad(), run.forward_context():
+            loss_fn(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, contexts
+
+
+class _BlockBench:
+    """Blocks under treatments, each installed through the normal path: a full-length plan that gives block i the
+    treatment and every other block `none` (which installs nothing)."""
+
+    def __init__(self, run: _Run, policy: Policy, inputs: dict[int, torch.Tensor], contexts: list[Context]) -> None:
+        self.run, self.policy, self.inputs, self.contexts = run, policy, inputs, contexts
+        self.blocks = list(run.adapter.layers)
+        self.seed_w = torch.randn_like(inputs[0], dtype=torch.float32)  # the backward seed's weights: (y * w).sum()
+
+    def install(self, i: int, t: str) -> None:
+        n = self.run.adapter.n_layer
+        install_plan(self.run.adapter, Plan.per_block(["none"] * i + [t] + ["none"] * (n - i - 1)), self.policy)
+
+    def uninstall(self, i: int) -> None:
+        self.run.adapter.override_forward(i, None)
+        self.run.adapter.wrap_core_attention(i, None)
+
+    def clear_grads(self, members: Sequence[int]) -> None:
+        for i in members:
+            for p in self.blocks[i].parameters():
+                p.grad = None
+
+    def once(self, i: int, x_from: int, tracker: LiveTensorTracker | None = None) -> dict[str, float]:
+        return _run_block(self.run, self.blocks[i], self.inputs[x_from], self.contexts[i], self.seed_w, tracker)
+
+    def measure(self, members: Sequence[int], t: str, timed: bool) -> tuple[dict[str, float], tuple[float, float]]:
+        """The bytes of the group's first block under `t` (after a warm-up: lazy init, SAC contexts, allocator),
+        and the median forward and backward time over the group's blocks in turn, all on the first one's input."""
+        first = members[0]
+        self.install(first, t)
+        try:
+            self.once(first, first)
+            self.clear_grads([first])
+            tracker = self.run.tracker()
+            with tracker:
+                memory = self.once(first, first, tracker)
+            runs = []
+            for r in range(self.run.repeats if timed and self.run.timing else 0):
+                i = members[r % len(members)]
+                if i != first:
+                    self.install(i, t)
+                try:
+                    runs.append(self.once(i, first))
+                finally:
+                    if i != first:
+                        self.uninstall(i)
+            times = (
+                statistics.median([m["fwd_ms"] for m in runs]) if runs else 0.0,
+                statistics.median([m["bwd_ms"] for m in runs]) if runs else 0.0,
+            )
+        finally:
+            self.uninstall(first)
+            self.clear_grads(members)
+        return memory, times
+
+
+def _cost(m: dict[str, float], none: dict[str, float] | None, t: str, times: tuple[float, float]) -> Cost:
+    y = int(m["y"])
+    kept = int(m["after_exit"]) - y
+    # offload: what comes back is the bytes `none` keeps less those left on the device
+    restored = max(0, int(none["after_exit"]) - int(m["after_exit"])) if t == "offload" and none else 0
+    return Cost(
+        kept_fwd=int(m["end_fwd"]) - y,
+        kept=kept,
+        fwd_peak=int(m["fwd_peak"]),
+        transient=int(m["bwd_peak"]) - y - kept,
+        restored=restored,
+        fwd_ms=times[0],
+        bwd_ms=times[1],
+    )
+
+
+def _profile_blocks(
+    run: _Run, batch: Batch, loss_fn: Callable[..., Any], treatments: Sequence[str], policy: Policy
+) -> dict[str, Any]:
+    """Costs per block and treatment, measured once per group of identical blocks, on the group's first block's
+    real input (a group's other blocks are timed on that same input: their bytes and times do not depend on the
+    values)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, b in enumerate(run.adapter.layers):
+        groups.setdefault(_block_signature(b), []).append(i)
+    inputs, contexts = _block_inputs(run, batch, loss_fn, {members[0] for members in groups.values()})
+    bench = _BlockBench(run, policy, inputs, contexts)
+    # offload's prefetch brings back what `none` would keep: measure `none`'s bytes even when it is no candidate
+    measured = tuple(treatments) + (("none",) if "offload" in treatments and "none" not in treatments else ())
+    costs: list[dict[str, Cost]] = [{} for _ in bench.blocks]
+    for members in groups.values():
+        results = {t: bench.measure(members, t, timed=t in treatments) for t in measured}
+        none = results["none"][0] if "none" in results else None
+        for t in treatments:
+            cost = _cost(results[t][0], none, t, results[t][1])
+            for i in members:
+                costs[i][t] = cost
+    block_grads = [_unique_bytes([p for p in b.parameters() if p.requires_grad]) for b in bench.blocks]
+    return {"costs": costs, "block_grads": block_grads, "x_bytes": _storage_bytes(inputs[0])}
+
+
+def _segmented(run: _Run, batch: Batch, loss_fn: Callable[..., torch.Tensor],
+               tracker: LiveTensorTracker | None) -> dict[str, Any]:  # fmt: skip
+    """The model with its layers cut out: embedding → (cut) → loss head, forward then backward.
+
+    At the cut (the first layer's call) the embedding's output x0 is kept and a fresh leaf h stands in for the last
+    layer's output; the other layers pass it through. The head's backward stops at h, and x0.backward(h.grad) runs
+    the embedding's. Live bytes are read at each phase.
+    """
+    adapter = run.adapter
+    marks: dict[str, Any] = {}
+    held: dict[str, torch.Tensor] = {}
+
+    def cut(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        held["x0"] = x
+        if tracker:
+            marks["gap_fwd"] = tracker.live_bytes
+            marks["n_cut"] = len(tracker.timeline)
+        held["h"] = h = x.detach().clone().requires_grad_(True)
+        return h
+
+    for i in range(adapter.n_layer):
+        adapter.override_forward(i, cut if i == 0 else lambda x, *a, **k: x)
+    try:
+
+        def forward() -> torch.Tensor:
+            with run.forward_context():
+                return loss_fn(batch)
+
+        loss, fwd_ms = run.timer(forward)
+    finally:
+        for i in range(adapter.n_layer):
+            adapter.override_forward(i, None)
+    if tracker:
+        marks["embed_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[: marks["n_cut"]])
+        marks["head_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[marks["n_cut"] :])
+        n1, level = len(tracker.timeline), tracker.live_bytes
+    _, head_ms = run.timer(loss.backward)
+    del loss
+    if tracker:
+        marks["head_bwd_peak"] = _peak_since(tracker, n1, level)
+        marks["gap_bwd"] = tracker.live_bytes
+    h = held.pop("h")
+    g, h.grad = h.grad, None
+    del h
+    x0 = held.pop("x0")
+    if tracker:
+        n2, level = len(tracker.timeline), tracker.live_bytes
+    _, embed_ms = run.timer(lambda: x0.backward(g))
+    if tracker:
+        marks["embed_bwd_peak"] = _peak_since(tracker, n2, level)
+    marks["ms"] = fwd_ms + head_ms + embed_ms
+    return marks
+
+
+def _profile_rest(run: _Run, batch: Batch, loss_fn: Callable[..., torch.Tensor]) -> dict[str, Any]:
+    """The embedding and the loss head: a warm-up, the tracked run, then the timed ones (fresh gradients each)."""
+    params = list(run.adapter.model.parameters())
+
+    def fresh() -> None:
+        for p in params:
+            p.grad = None
+
+    _segmented(run, batch, loss_fn, None)
+    fresh()
+    tracker = run.tracker()
+    with tracker:
+        out = _segmented(run, batch, loss_fn, tracker)
+
+    def timed() -> float:
+        fresh()
+        return _segmented(run, batch, loss_fn, None)["ms"]
+
+    out["ms"] = run.median_ms(timed)
+    fresh()
+    keys = ("embed_fwd_peak", "gap_fwd", "head_fwd_peak", "head_bwd_peak", "gap_bwd", "embed_bwd_peak", "ms")
+    return {k: out[k] for k in keys}
+
+
+def _profile_optimizer(
+    run: _Run,
+    make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    param_groups: list[dict[str, Any]] | None,
+    grad_clip: float,
+) -> dict[str, Any]:
+    """Training-state bytes and the peak of the step's optimizer phase, on the real parameters at lr=0."""
+    model = run.adapter.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups or [{"params": params}]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"]), "lr": 0.0} for g in groups]
+    opt = make_optimizer(groups)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+
+    def step() -> None:
+        optimizer_phase(params, opt, grad_clip)
+
+    step()  # creates the optimizer state
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    train_state = [*model.parameters(), *model.buffers()]
+    grads = [p.grad for p in params]
+    out: dict[str, Any] = {
+        "params": _unique_bytes(train_state),
+        "grads": _unique_bytes(grads),
+        "optimizer": _unique_bytes(state),
+    }
+    tracker = LiveTensorTracker(device=run.device_type)
+    with tracker:
+        tracker.adopt([*train_state, *grads, *state])
+        step()
+    out["peak"] = tracker.peak_bytes
+    out["ms"] = run.median_ms(lambda: run.timer(step)[1])
+    for p in params:
+        p.grad = None
+    return out
