@@ -86,11 +86,7 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         prof = profile_model(model, h.batches()[0], auto, accum=config.accum, **measure)
     L = prof.n_layer
     predicted = {t: PeakModel(prof).evaluate([t] * L) for t in prof.treatments}
-    top = max(p.peak for p in predicted.values())
-    bottom = int(min(p.peak for p in predicted.values()) * 0.93)
-    digits = 3 if top < 10 * MIB else 1  # as the planner words budgets
-    budgets = [round((top - (top - bottom) * k / (n_budgets - 1)) / MIB, digits) for k in range(n_budgets)]
-    budgets[0] = smallest_budget_mib(top)
+    budgets = _budgets([p.peak for p in predicted.values()], n_budgets)
 
     variants: dict[str, Variant] = {}
 
@@ -123,16 +119,7 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         row["variant"] = variant(result.treatments, result.loss or config.loss.name, result.micro_batch)
         rows.append(row)
 
-    # one metered step per plan (StepMeter), then timed rounds interleaved across plans
-    measured: dict[str, dict[str, Any]] = {}
-    with quiet_policy_notices():
-        for key, v in variants.items():
-            f = h.measure(v)
-            installed = h.module.model.activation_plan
-            measured[key] = {"peak": f.total_bytes, "activation": f.activation_bytes, "installed": installed}
-        times = h.interleaved(variants, reps)
-    for key, m in measured.items():
-        m["ms"] = statistics.median(times[key]) * 1e3
+    measured = _measure(h, variants, reps)
     for row in rows:
         fits = [t for t, k in uniform.items() if measured[k]["peak"] <= row["budget_mib"] * MIB]
         row["uniform"] = min(fits, key=lambda t: measured[uniform[t]]["ms"]) if fits else None
@@ -148,6 +135,30 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         "reps": reps,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _budgets(peaks: list[int], n: int) -> list[float]:
+    """Evenly spaced from the largest uniform prediction down to 7 % below the smallest (MiB, as the planner words
+    budgets)."""
+    top, bottom = max(peaks), int(min(peaks) * 0.93)
+    digits = 3 if top < 10 * MIB else 1
+    budgets = [round((top - (top - bottom) * k / (n - 1)) / MIB, digits) for k in range(n)]
+    budgets[0] = smallest_budget_mib(top)
+    return budgets
+
+
+def _measure(h: Harness, variants: dict[str, Variant], reps: int) -> dict[str, dict[str, Any]]:
+    """One metered step per plan (StepMeter), then timed rounds interleaved across plans (medians)."""
+    measured: dict[str, dict[str, Any]] = {}
+    with quiet_policy_notices():
+        for key, v in variants.items():
+            f = h.measure(v)
+            installed = h.module.model.activation_plan
+            measured[key] = {"peak": f.total_bytes, "activation": f.activation_bytes, "installed": installed}
+        times = h.interleaved(variants, reps)
+    for key, m in measured.items():
+        m["ms"] = statistics.median(times[key]) * 1e3
+    return measured
 
 
 def _auto(cfg: Any, treatments: Sequence[str]) -> Callable[[], Policy]:

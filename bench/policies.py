@@ -63,10 +63,9 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench._readme import README, ROOT, environment_text, replace_block
+from bench._readme import README, ROOT, replace_block
 from bench.harness import (
     BenchError,
-    Figures,
     Harness,
     Variant,
     bench_config,
@@ -79,6 +78,7 @@ from bench.harness import (
     spread,
     sync,
 )
+from bench.policies_report import report, targets
 from trainer.loss import LOSSES, LossConfig
 from trainer.policies import Policy, policy_params
 from trainer.schema import Config, describe_user_error
@@ -88,7 +88,6 @@ START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"
 COMMAND = "python -m bench.policies"
 CONF = ROOT / "conf"
-TARGETS = {"full": 1.35, "selective": 1.10, "lightning": 1.02, "full_activation": 0.25}
 HEAD_VOCAB = 32768  # a BPE vocabulary (LLaMA-2's is 32000)
 
 log = logging.getLogger(__name__)
@@ -333,103 +332,112 @@ def _estimates(s: Section, device: torch.device) -> tuple[dict[str, Any], dict[s
     return out, errors
 
 
-def run_section(
-    s: Section, index: int, device: torch.device, rounds: int, warmup: int, overhead_steps: int
-) -> dict[str, Any]:
-    phases: dict[str, float] = {}
+def _measure(s: Section, device: torch.device, rounds: int, warmup: int, phases: dict[str, float]) -> dict[str, Any]:
+    """Every variant of a section on one module: its figures (one metered step), its plan, its timed rounds."""
     t0 = time.perf_counter()
     with quiet_policy_notices():
         h = Harness(s.config, device)
         h.warm(max(1, warmup))
-        describe = h.describe()
-        vocab = h.vocab
-        figures: dict[str, Figures] = {}
-        plans: dict[str, str] = {}
+        out: dict[str, Any] = {"describe": h.describe(), "vocab": h.vocab, "figures": {}, "plans": {}}
         for key, v in s.variants.items():
-            figures[key] = h.measure(v)
-            plans[key] = h.module.model.activation_plan.describe()
+            out["figures"][key] = h.measure(v)
+            out["plans"][key] = h.module.model.activation_plan.describe()
         phases["memory_flops"], t0 = time.perf_counter() - t0, time.perf_counter()
-        times = h.interleaved(s.variants, rounds, warmup)
-        phases["timed_rounds"], t0 = time.perf_counter() - t0, time.perf_counter()
+        out["times"] = h.interleaved(s.variants, rounds, warmup)
+        phases["timed_rounds"] = time.perf_counter() - t0
     del h
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def _row(s: Section, index: int, spec: RowSpec, m: dict[str, Any], est: dict[str, Any],
+         est_errors: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """One table row: a variant beside its base (none, or the standard head), measured and estimated."""
+    f, t = m["figures"][spec.key], m["times"][spec.key]
+    fb, tb = m["figures"][spec.base], m["times"][spec.base]
+    e, eb = est.get(spec.key), est.get(spec.base)
+    ms = statistics.median(t) * 1e3
+    v = s.variants[spec.key]
+    row: dict[str, Any] = {
+        "kind": spec.kind,
+        "section": index,
+        "model": s.model,
+        "vocab": m["vocab"],
+        "name": spec.policy if spec.kind == "policy" else f"{spec.policy}/{spec.loss}",
+        "label": _label(spec.policy, v.policy) if spec.kind == "policy" else _head_label(v.loss),
+        "policy": spec.policy,
+        "loss": spec.loss,
+        "plan": m["plans"][spec.key],
+        "step_ms": ms,
+        "step_spread": spread(t),
+        "step_ratio": median_ratio(t, tb),
+        "tokens_per_s": s.tokens / (ms / 1e3),
+        "activation_mib": f.activation_bytes / MIB,
+        "activation_ratio": f.activation_bytes / fb.activation_bytes,
+        "head_mib": f.head_bytes / MIB,
+        "head_share": f.head_bytes / f.activation_bytes,
+        "peak_total_mib": f.total_bytes / MIB,
+        "flops": f.flops,
+        "flops_ratio": f.flops / fb.flops,
+        "flops_uncounted": ",".join(f.uncounted_ops),
+        "est_activation_mib": None if e is None else e.activation_bytes / MIB,
+        "est_head_mib": None if e is None else e.head_bytes / MIB,
+        "est_peak_total_mib": None if e is None else e.peak_bytes / MIB,
+        "est_flops_ratio": None if e is None or eb is None else e.flops / eb.flops,
+        "est_error": est_errors.get(spec.key),
+    }
+    if f.cuda_peak_allocated_bytes is not None:
+        row["cuda_peak_allocated_mib"] = f.cuda_peak_allocated_bytes / MIB
+    return row
+
+
+def _overhead_row(s: Section, index: int, vocab: int, overhead: dict[str, list[float]]) -> dict[str, Any]:
+    bare_ms = statistics.median(overhead["bare"]) * 1e3
+    light_ms = statistics.median(overhead["lightning"]) * 1e3
+    return {
+        "kind": "overhead",
+        "section": index,
+        "model": s.model,
+        "vocab": vocab,
+        "name": "lightning_vs_bare",
+        "label": "Lightning Trainer.fit vs bare loop (policy none)",
+        "bare_step_ms": bare_ms,
+        "bare_spread": spread(overhead["bare"]),
+        "lightning_step_ms": light_ms,
+        "lightning_spread": spread(overhead["lightning"]),
+        "step_ms": light_ms,
+        "step_ratio": median_ratio(overhead["lightning"], overhead["bare"]),
+        "pairs": len(overhead["bare"]),
+        "tokens_per_s": s.tokens / (light_ms / 1e3),
+    }
+
+
+def run_section(
+    s: Section, index: int, device: torch.device, rounds: int, warmup: int, overhead_steps: int
+) -> dict[str, Any]:
+    phases: dict[str, float] = {}
+    m = _measure(s, device, rounds, warmup, phases)
+    t0 = time.perf_counter()
     est, est_errors = _estimates(s, device)
     phases["estimator"], t0 = time.perf_counter() - t0, time.perf_counter()
     overhead = None
     if s.overhead:
         overhead = time_overhead(s.config, device, overhead_steps)
         phases["lightning_vs_bare"] = time.perf_counter() - t0
-
-    rows: list[dict[str, Any]] = []
-    for spec in s.rows:
-        f, t = figures[spec.key], times[spec.key]
-        fb, tb = figures[spec.base], times[spec.base]
-        e, eb = est.get(spec.key), est.get(spec.base)
-        ms = statistics.median(t) * 1e3
-        v = s.variants[spec.key]
-        row: dict[str, Any] = {
-            "kind": spec.kind,
-            "section": index,
-            "model": s.model,
-            "vocab": vocab,
-            "name": spec.policy if spec.kind == "policy" else f"{spec.policy}/{spec.loss}",
-            "label": _label(spec.policy, v.policy) if spec.kind == "policy" else _head_label(v.loss),
-            "policy": spec.policy,
-            "loss": spec.loss,
-            "plan": plans[spec.key],
-            "step_ms": ms,
-            "step_spread": spread(t),
-            "step_ratio": median_ratio(t, tb),
-            "tokens_per_s": s.tokens / (ms / 1e3),
-            "activation_mib": f.activation_bytes / MIB,
-            "activation_ratio": f.activation_bytes / fb.activation_bytes,
-            "head_mib": f.head_bytes / MIB,
-            "head_share": f.head_bytes / f.activation_bytes,
-            "peak_total_mib": f.total_bytes / MIB,
-            "flops": f.flops,
-            "flops_ratio": f.flops / fb.flops,
-            "flops_uncounted": ",".join(f.uncounted_ops),
-            "est_activation_mib": None if e is None else e.activation_bytes / MIB,
-            "est_head_mib": None if e is None else e.head_bytes / MIB,
-            "est_peak_total_mib": None if e is None else e.peak_bytes / MIB,
-            "est_flops_ratio": None if e is None or eb is None else e.flops / eb.flops,
-            "est_error": est_errors.get(spec.key),
-        }
-        if f.cuda_peak_allocated_bytes is not None:
-            row["cuda_peak_allocated_mib"] = f.cuda_peak_allocated_bytes / MIB
-        rows.append(row)
+    rows = [_row(s, index, spec, m, est, est_errors) for spec in s.rows]
     if overhead is not None:
-        bare_ms = statistics.median(overhead["bare"]) * 1e3
-        light_ms = statistics.median(overhead["lightning"]) * 1e3
-        rows.append(
-            {
-                "kind": "overhead",
-                "section": index,
-                "model": s.model,
-                "vocab": vocab,
-                "name": "lightning_vs_bare",
-                "label": "Lightning Trainer.fit vs bare loop (policy none)",
-                "bare_step_ms": bare_ms,
-                "bare_spread": spread(overhead["bare"]),
-                "lightning_step_ms": light_ms,
-                "lightning_spread": spread(overhead["lightning"]),
-                "step_ms": light_ms,
-                "step_ratio": median_ratio(overhead["lightning"], overhead["bare"]),
-                "pairs": len(overhead["bare"]),
-                "tokens_per_s": s.tokens / (light_ms / 1e3),
-            }
-        )
+        rows.append(_overhead_row(s, index, m["vocab"], overhead))
     return {
         "model": s.model,
         "overrides": s.overrides,
-        "shape": describe,
+        "shape": m["describe"],
         "precision": s.config.precision,
         "grad_clip": s.config.trainer.grad_clip,
         "skipped": s.skipped,
         "rows": rows,
-        "samples": {"step_s": times, "overhead_s": overhead},
+        "samples": {"step_s": m["times"], "overhead_s": overhead},
         "phase_seconds": phases,
     }
 
@@ -462,154 +470,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [row for r in results for row in r["rows"]],
         "samples": {f"{r['model']} {' '.join(r['overrides'])}": r["samples"] for r in results},
     }
-
-
-# ----------------------------------------------------------------------------------------------------
-# The report.
-# ----------------------------------------------------------------------------------------------------
-
-
-def _f(v: Any, fmt: str) -> str:
-    return "n/a" if v is None else format(v, fmt)
-
-
-def _flops_cell(r: dict[str, Any]) -> str:
-    return f"{r['flops_ratio']:.3f}" + (" †" if r["flops_uncounted"] else "")
-
-
-def table(result: dict[str, Any]) -> str:
-    lines: list[str] = []
-    policy_rows = [r for r in result["rows"] if r["kind"] == "policy"]
-    if policy_rows:
-        lines += [
-            "| model | policy | step ms | × none | tokens/s | activation MiB | est. | est./meas. | peak total MiB "
-            "| est. | FLOPs × none | est. |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in policy_rows:
-            est_act = r["est_activation_mib"]
-            lines.append(
-                f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% "
-                f"| {r['step_ratio']:.2f} | {r['tokens_per_s']:,.0f} | {r['activation_mib']:.1f} "
-                f"| {_f(est_act, '.1f')} | {_f(None if est_act is None else est_act / r['activation_mib'], '.2f')} "
-                f"| {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} | {_flops_cell(r)} "
-                f"| {_f(r['est_flops_ratio'], '.3f')} |"
-            )
-    head_rows = [r for r in result["rows"] if r["kind"] == "head"]
-    if head_rows:
-        if lines:
-            lines.append("")
-        lines += [
-            "| model (vocab) | policy | loss head | step ms | × standard | activation MiB | est. | head MiB | est. "
-            "| head share | peak total MiB | est. | FLOPs × standard | est. |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in head_rows:
-            lines.append(
-                f"| {r['model']} ({r['vocab']}) | `{r['policy']}` | `{r['label']}` | {r['step_ms']:.1f} "
-                f"±{100 * r['step_spread']:.0f}% | {r['step_ratio']:.2f} | {r['activation_mib']:.1f} "
-                f"| {_f(r['est_activation_mib'], '.1f')} | {r['head_mib']:.1f} | {_f(r['est_head_mib'], '.1f')} "
-                f"| {100 * r['head_share']:.0f}% | {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
-                f"| {_flops_cell(r)} | {_f(r['est_flops_ratio'], '.3f')} |"
-            )
-    uncounted = sorted(
-        {op for r in result["rows"] if r.get("flops_uncounted") for op in r["flops_uncounted"].split(",")}
-    )
-    if uncounted:
-        lines += ["", f"† FlopCounterMode has no formula for {', '.join(f'`{o}`' for o in uncounted)}: the FLOPs "
-                  "inside it are not counted (measured or estimated)."]  # fmt: skip
-    overhead = [r for r in result["rows"] if r["kind"] == "overhead"]
-    if overhead:
-        lines += ["", "| model | loop (policy `none`) | step ms | × bare |", "|---|---|---:|---:|"]
-        for o in overhead:
-            lines += [
-                f"| {o['model']} | bare loop (`trainer.step.bare_step`) | {o['bare_step_ms']:.1f} "
-                f"±{100 * o['bare_spread']:.0f}% | 1.00 |",
-                f"| {o['model']} | Lightning `Trainer.fit` | {o['lightning_step_ms']:.1f} "
-                f"±{100 * o['lightning_spread']:.0f}% | {o['step_ratio']:.3f} |",
-            ]
-    return "\n".join(lines)
-
-
-def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for i, section in enumerate(result["sections"]):
-        by = {r["name"]: r for r in result["rows"] if r["section"] == i and r["kind"] in ("policy", "overhead")}
-        if "none" not in by:
-            continue  # a section of loss heads only
-
-        def add(what: str, key: str, row: str, limit: float, fmt: str, note: str = "", **kw: Any) -> None:
-            value = kw["by"][row][key] if row in kw["by"] else None
-            out.append(
-                {
-                    "model": kw["model"],
-                    "target": what,
-                    "value": value,
-                    "limit": limit,
-                    "met": None if value is None or note else value <= limit,  # a note: the target does not apply
-                    "shown": "n/a" if value is None else format(value, fmt),
-                    "note": note,
-                }
-            )
-
-        where = {"by": by, "model": section["model"]}
-        add("full step time ≤ 1.35× none", "step_ratio", "full", TARGETS["full"], ".2f", **where)
-        sel = by.get("selective")
-        sdpa = sel is not None and "selective" not in sel["plan"]  # its plan says what it amounts to here
-        note = "not this run: sdpa attention, where selective stores like none" if sdpa else ""
-        add("selective (eager attention) step time ≤ 1.10× none", "step_ratio", "selective", TARGETS["selective"],
-            ".2f", note, **where)  # fmt: skip
-        add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f", **where)
-        add("activation peak of full ≤ 1/4 of none", "activation_ratio", "full", TARGETS["full_activation"], ".3f",
-            **where)  # fmt: skip
-    return out
-
-
-def targets_text(items: list[dict[str, Any]]) -> str:
-    lines = ["Targets (reported, not asserted):", ""]
-    for t in items:
-        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
-        lines.append(
-            f"- {t['model']}: {t['target']}: {t['shown']} — {verdict}" + (f" ({t['note']})" if t["note"] else "")
-        )
-    return "\n".join(lines)
-
-
-def header(result: dict[str, Any]) -> str:
-    m = result["meta"]
-    shapes = "; ".join(f"{s['shape']}" for s in result["sections"])
-    fwd = "autocast forward (no weight cache)" if m["precision"].endswith("-mixed") else f"{m['precision']} forward"
-    clip = result["sections"][0]["grad_clip"]
-    skipped = {k: v for s in result["sections"] for k, v in s["skipped"].items()}
-    not_run = "".join(f" Not run: `{k}` ({v.rstrip('.')})." for k, v in skipped.items())
-    heads = [r for r in result["rows"] if r["kind"] == "head"]
-    head_text = ""
-    if heads:
-        head_text = (
-            f" Loss heads at vocab {heads[0]['vocab']} on `{heads[0]['model']}`: ratios against `standard` under the "
-            "same policy; head MiB = the most the head (final norm, logits, loss; forward and backward) held at once "
-            "(StepMeter's head_peak), head share = head MiB / activation MiB."
-        )
-    peak = "; CUDA: the live-tensor figure (the allocator's peak is in results.csv)" if m["device"] == "cuda" else ""
-    return (
-        f"Generated by `{m['command']} --write-readme` ({environment_text(m)}, {m['seconds']:.0f} s). "
-        f"Shapes: {shapes}. One process; per configuration one `DecoderModule` (seeded as train.py seeds it) and one "
-        "fixed batch of random tokens. Every variant runs `trainer.step.bare_step`, the step as Lightning runs it "
-        f"({fwd}, zero_grad after the first forward, backward, clip {clip:g}, AdamW, LR step), in {m['rounds']} "
-        f"interleaved rounds (order rotated) after {m['warmup_rounds']} warm-up; medians (± half the IQR); "
-        "× = median of per-round ratios. Activation and peak total: `trainer.step.StepMeter` (a run's "
-        f"memory/activation_peak_mib and memory/peak_total_mib{peak}). FLOPs: `trainer.flops.count_flops` over the "
-        "step (recompute included). est.: `trainer.estimate` for the same config on fake tensors."
-        + head_text
-        + " Lightning: one `Trainer.fit` of the same `DecoderModule` on a fixed in-memory batch (no logger, "
-        "checkpoints or progress bar), each iteration timed from one `on_train_batch_start` to the next, alternating "
-        f"with a bare step of a twin module run from that hook; median of per-pair ratios over {m['overhead_pairs']} "
-        f"pairs.{not_run}"
-    )
-
-
-def report(result: dict[str, Any]) -> str:
-    return header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:

@@ -29,6 +29,7 @@ import torch
 from trainer import precision as precision_
 from trainer import step as step_
 from trainer.schema import ConfigError, OneLineParser
+from trainer.text import markdown_table
 
 
 @dataclass
@@ -99,12 +100,53 @@ def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any)
     return ours, theirs
 
 
+def _plan_first(config: Any, policy: Any, ref: Any, mod: Any, batch: Any, precision: str) -> None:
+    """A policy planned before it runs: plan it on the first batch as the run does at fit start, install the plan,
+    and train both sides with the plan's loss head."""
+    from trainer.planner import default_optimizer, head_candidates, plan_model
+    from trainer.policies import apply_policy
+
+    result = plan_model(
+        mod.model,
+        batch,
+        policy,
+        loss_fns=head_candidates(mod, policy.cfg),
+        precision=precision,
+        accum=config.accum,
+        make_optimizer=default_optimizer(config.optim.weight_decay),
+        grad_clip=config.trainer.grad_clip,
+    )
+    policy.choose(result.treatments)
+    apply_policy(mod.model, policy)
+    if result.loss and result.loss != mod.loss_config.name:  # the plan's head, on both sides
+        mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)
+
+
+def _compare(out: CheckResult, s: int, names: list[str], grads: dict[int, list[torch.Tensor]],
+             losses: tuple[float, float], tolerance: float) -> None:  # fmt: skip
+    """Step `s`'s gradients and losses, the policy's against none's, into `out` (the first failure kept)."""
+    out.losses.append(losses)
+    for name, g_ref, g in zip(names, grads[0], grads[1], strict=True):
+        d = out.groups.setdefault(group_of(name), Difference(group_of(name)))
+        if s == 0:
+            d.params += 1
+        m_abs, m_rel = _relative(g, g_ref)
+        d.max_abs, d.max_rel = max(d.max_abs, m_abs), max(d.max_rel, m_rel)
+        bad = not torch.equal(g, g_ref) if tolerance == 0.0 else m_rel > tolerance
+        if bad and out.first_failure is None:
+            out.first_failure = f"{name} at step {s}: max |Δgrad| {m_abs:.3g} ({m_rel:.3g} relative)"
+            d.first, d.first_step = name, s
+    l_ref, l_pol = losses
+    loss_bad = l_ref != l_pol if tolerance == 0.0 else abs(l_pol - l_ref) > tolerance * max(abs(l_ref), 1e-12)
+    if loss_bad and out.first_failure is None:
+        out.first_failure = f"the loss at step {s}: {l_pol!r} under {out.policy}, {l_ref!r} under none"
+
+
 def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> CheckResult:
     """Compare `steps` steps of config.policy with `none` from the same weights and batches (see the module doc)."""
     from trainer import build
     from trainer.module import DecoderModule
-    from trainer.planner import default_optimizer, head_candidates, plan_model
-    from trainer.policies import apply_policy, build_policy
+    from trainer.policies import build_policy
 
     device = torch.device(build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
@@ -134,21 +176,7 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
 
     ref, mod = build_one("none"), build_one(policy)
     if policy.planned_first:  # planned on the first batch, as at fit start
-        optimizer = default_optimizer(config.optim.weight_decay)
-        result = plan_model(
-            mod.model,
-            batches[0],
-            policy,
-            loss_fns=head_candidates(mod, policy.cfg),
-            precision=chosen,
-            accum=config.accum,
-            make_optimizer=optimizer,
-            grad_clip=config.trainer.grad_clip,
-        )
-        policy.choose(result.treatments)
-        apply_policy(mod.model, policy)
-        if result.loss and result.loss != mod.loss_config.name:  # the plan's head, on both sides
-            mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)
+        _plan_first(config, policy, ref, mod, batches[0], chosen)
     if compiled:
         ref.configure_model()
         mod.configure_model()
@@ -182,21 +210,7 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
 
             loss = step_.bare_step(m, micro, opt, sched, plugin, config.trainer.grad_clip, before_update=keep)
             losses.append(float(loss))
-        out.losses.append((losses[0], losses[1]))
-        for name, g_ref, g in zip(names, grads[0], grads[1], strict=True):
-            d = out.groups.setdefault(group_of(name), Difference(group_of(name)))
-            if s == 0:
-                d.params += 1
-            m_abs, m_rel = _relative(g, g_ref)
-            d.max_abs, d.max_rel = max(d.max_abs, m_abs), max(d.max_rel, m_rel)
-            bad = not torch.equal(g, g_ref) if tolerance == 0.0 else m_rel > tolerance
-            if bad and out.first_failure is None:
-                out.first_failure = f"{name} at step {s}: max |Δgrad| {m_abs:.3g} ({m_rel:.3g} relative)"
-                d.first, d.first_step = name, s
-        l_ref, l_pol = losses
-        loss_bad = l_ref != l_pol if tolerance == 0.0 else abs(l_pol - l_ref) > tolerance * max(abs(l_ref), 1e-12)
-        if loss_bad and out.first_failure is None:
-            out.first_failure = f"the loss at step {s}: {l_pol!r} under {policy.cfg.name}, {l_ref!r} under none"
+        _compare(out, s, names, grads, (losses[0], losses[1]), tolerance)
     return out
 
 
@@ -206,14 +220,18 @@ def render(result: CheckResult) -> str:
         f"policy={result.policy} (plan {result.plan}) vs none: {result.steps} optimizer step(s) from the same weights "
         f"and batches, the same dropout masks; compared {how}",
         "",
-        "| step | loss (none) | loss (policy) | Δ |",
-        "|---:|---:|---:|---:|",
+        markdown_table(
+            ("step", "loss (none)", "loss (policy)", "Δ"),
+            [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.3g}") for i, (a, b) in enumerate(result.losses)],
+            "rrrr",
+        ),
+        "",
+        markdown_table(
+            ("parameter group", "tensors", "max abs Δgrad", "max relative Δgrad"),
+            [(d.group, d.params, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}") for d in result.groups.values()],
+            "lrrr",
+        ),
     ]
-    for i, (a, b) in enumerate(result.losses):
-        lines.append(f"| {i} | {a:.6f} | {b:.6f} | {abs(a - b):.3g} |")
-    lines += ["", "| parameter group | tensors | max abs Δgrad | max relative Δgrad |", "|---|---:|---:|---:|"]
-    for d in result.groups.values():
-        lines.append(f"| {d.group} | {d.params} | {d.max_abs:.3g} | {d.max_rel:.3g} |")
     lines.append("")
     if result.own_loss is not None:
         ours, theirs = result.own_loss

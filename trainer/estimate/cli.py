@@ -18,7 +18,7 @@ from trainer.estimate.tables import _quiet_policy_notices, estimate_tables
 from trainer.policies import Plan, build_policy
 from trainer.rundir import write_json_atomic
 from trainer.schema import OneLineParser, compose_config
-from trainer.text import MIB
+from trainer.text import MIB, markdown_table
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,10 +61,40 @@ def render(
 ) -> str:
     """The report: the configured policy's breakdown, its FLOPs, every policy and every loss head side by side, the
     verdict."""
-    config, module = session.config, session.module
-    d = module.adapter.describe()
     none = table.get("none")
     base = none.flops if isinstance(none, Estimate) else est.flops
+    lines = _header(session, est) + _memory(est)
+    lines += [
+        "",
+        f"compute per optimizer step ({est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''}): "
+        f"forward {_flops(est.fwd_flops)}, backward {_flops(est.bwd_flops)} (recompute included) "
+        f"= {est.flops / base:.3f}× the FLOPs of `none`",
+        "",
+        _policy_table(est, table, base, budget),
+        "(* the configured policy; the others with their conf/policy defaults)",
+    ]
+    if losses:
+        config = session.config
+        lines += [
+            "",
+            f"loss heads under policy={est.policy} (loss.chunk_tokens="
+            f"{config.loss.chunk_for(config.batch_size * config.seq_len)}):",
+            "",
+            _loss_table(est, losses),
+        ]
+    if budget is not None:
+        ok = est.fits(budget)
+        fitting = [n for n, e in table.items() if isinstance(e, Estimate) and e.fits(budget)]
+        lines.append(
+            f"policy={est.policy} {'fits' if ok else 'does not fit'} in {_size(budget)} "
+            f"({budget / 2**30:,.2f} GiB): it needs {est.peak_bytes / 2**30:,.2f} GiB ({_mib(est.peak_bytes)} MiB)"
+            + ("" if ok else f"; policies that fit: {', '.join(fitting) or 'none'}")
+        )
+    return "\n".join(lines)
+
+
+def _header(session: Session, est: Estimate) -> list[str]:
+    config, d = session.config, session.module.adapter.describe()
     lines = [
         f"model {config.model.name} ({d['family']}): {d['n_layer']} layers, n_embd {d['n_embd']}, {d['n_head']} heads "
         f"({d['n_kv_head']} key/value), vocab {d['vocab_size']}, {d['params']:,} parameters; "
@@ -72,9 +102,12 @@ def render(
         f"micro-batch {config.batch_size} × {config.seq_len} tokens, accum={config.accum}, precision={est.precision}, "
         f"loss={est.loss}, device={est.device} (--device cpu|cuda)",
     ]
-    lines += [f"assumption: {n}" for n in dict.fromkeys(est.notes)]
+    return lines + [f"assumption: {n}" for n in dict.fromkeys(est.notes)]
+
+
+def _memory(est: Estimate) -> list[str]:
+    """The configured policy's memory, part by part."""
     c = est.components
-    lines += ["", f"memory, policy={est.policy} (plan {est.plan}), MiB:"]
     rows = [
         ("parameters", c["parameters"], ""),
         ("buffers", c["buffers"], ""),
@@ -88,63 +121,42 @@ def render(
         ("total: the step's peak", est.peak_bytes, "(memory/peak_total_mib), of which:"),
     ]
     rows += [(f"  {label}", v, "") for label, v in _grouped(est.at_step_peak).items()]
+    lines = ["", f"memory, policy={est.policy} (plan {est.plan}), MiB:"]
     lines += [f"  {label:<44}{_mib(v):>12}  {note}".rstrip() for label, v, note in rows]
     per = est.kept_per_layer
     if per:
         per_text = f"{len(per)} × {_mib(per[0])}" if len(set(per)) == 1 else " ".join(_mib(x) for x in per)
         lines.append(f"  kept from forward to backward per layer: {per_text} MiB")
-    lines += [
-        "",
-        f"compute per optimizer step ({est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''}): "
-        f"forward {_flops(est.fwd_flops)}, backward {_flops(est.bwd_flops)} (recompute included) "
-        f"= {est.flops / base:.3f}× the FLOPs of `none`",
-        "",
-    ]
-    fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
-    lines += [
-        f"| policy | plan | activation peak MiB | head MiB | total MiB | FLOPs × none | {fits_head} |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
+    return lines
+
+
+def _policy_table(est: Estimate, table: dict[str, Estimate | str], base: float, budget: int | None) -> str:
+    rows = []
     for name, e in table.items():
         star = " *" if name == est.policy else ""
         if isinstance(e, str):
-            lines.append(f"| {name}{star} | n/a: {e} | | | | | |")
+            rows.append((f"{name}{star}", f"n/a: {e}", "", "", "", "", ""))
             continue
         fits = "—" if budget is None else ("yes" if e.fits(budget) else "no")
-        lines.append(
-            f"| {name}{star} | {_short(e.plan)} | {_mib(e.activation_bytes)} | {_mib(e.head_bytes)} | "
-            f"{_mib(e.peak_bytes)} | {e.flops / base:.3f} | {fits} |"
-        )
-    lines.append("(* the configured policy; the others with their conf/policy defaults)")
-    if losses:
-        std = losses.get("standard")
-        lines += [
-            "",
-            f"loss heads under policy={est.policy} (loss.chunk_tokens="
-            f"{config.loss.chunk_for(config.batch_size * config.seq_len)}):",
-            "",
-            "| loss | head MiB | activation peak MiB | total MiB | FLOPs × standard |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for name, e in losses.items():
-            star = " *" if name == est.loss else ""
-            if isinstance(e, str):
-                lines.append(f"| {name}{star} | n/a: {e} | | | |")
-                continue
-            ratio = e.flops / std.flops if isinstance(std, Estimate) else 1.0
-            lines.append(
-                f"| {name}{star} | {_mib(e.head_bytes)} | {_mib(e.activation_bytes)} | {_mib(e.peak_bytes)} | "
-                f"{ratio:.3f} |"
-            )
-    if budget is not None:
-        ok = est.fits(budget)
-        fitting = [n for n, e in table.items() if isinstance(e, Estimate) and e.fits(budget)]
-        lines.append(
-            f"policy={est.policy} {'fits' if ok else 'does not fit'} in {_size(budget)} "
-            f"({budget / 2**30:,.2f} GiB): it needs {est.peak_bytes / 2**30:,.2f} GiB ({_mib(est.peak_bytes)} MiB)"
-            + ("" if ok else f"; policies that fit: {', '.join(fitting) or 'none'}")
-        )
-    return "\n".join(lines)
+        rows.append((f"{name}{star}", _short(e.plan), _mib(e.activation_bytes), _mib(e.head_bytes),
+                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", fits))  # fmt: skip
+    fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
+    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", fits_head)
+    return markdown_table(header, rows, "llrrrrl")
+
+
+def _loss_table(est: Estimate, losses: dict[str, Estimate | str]) -> str:
+    std = losses.get("standard")
+    rows = []
+    for name, e in losses.items():
+        star = " *" if name == est.loss else ""
+        if isinstance(e, str):
+            rows.append((f"{name}{star}", f"n/a: {e}", "", "", ""))
+            continue
+        ratio = e.flops / std.flops if isinstance(std, Estimate) else 1.0
+        rows.append((f"{name}{star}", _mib(e.head_bytes), _mib(e.activation_bytes), _mib(e.peak_bytes), f"{ratio:.3f}"))
+    header = ("loss", "head MiB", "activation peak MiB", "total MiB", "FLOPs × standard")
+    return markdown_table(header, rows, "lrrrr")
 
 
 def _grouped(by_label: dict[str, int]) -> dict[str, int]:
@@ -209,7 +221,7 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"--json {path}: cannot write under {folder}; give a path in a writable folder")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m trainer.estimate",
         description="Memory and FLOPs of a training configuration under every activation policy and loss head, from "
@@ -226,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--policies", default="all", choices=("all", "configured"),
                         help="'all' (default: every registered policy) or 'configured'")  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
     from trainer.schema import describe_user_error

@@ -248,14 +248,8 @@ class _CachedAutocast:
         return self.plugin.convert_module(module)
 
 
-def open_session(config: Config, device: str | None = None, autocast_cache: bool = False) -> Session:
-    """Build the configured module on fake tensors of the estimate's device, and step it once."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from trainer import build
-
-    device = estimate_device(config, device)
-    notes: list[str] = []
+def _precision(config: Config, device: str, notes: list[str]) -> str:
+    """The precision the run would train in on `device` (auto settled as train.py settles it)."""
     if device == "cuda" and not torch.cuda.is_available():
         chosen = "bf16-mixed" if config.precision == "auto" else config.precision
         if config.precision == "auto":
@@ -267,6 +261,11 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             notes.append(why + " (as train.py chooses on this machine)")
     if chosen == "16-mixed" and device != "cuda":
         raise ConfigError("precision=16-mixed needs a CUDA GPU; estimate it with --device cuda")
+    return chosen
+
+
+def _kernels(device: str, notes: list[str]) -> tuple[str, Any]:
+    """The device the fake tensors live on, and the rules that translate CPU kernels to CUDA's where needed."""
     fake_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     rules: Any = contextlib.nullcontext()
     if device == "cuda" and fake_device == "cpu":
@@ -278,6 +277,34 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         )
     elif fake_device == "cpu":
         notes.append("figures follow the CPU kernels (device cpu); --device cuda translates them to CUDA's")
+    return fake_device, rules
+
+
+def _plugin(chosen: str, fake_device: str, autocast_cache: bool, notes: list[str]) -> Any:
+    """Lightning's precision plugin for the run's precision, as the fake step can run it."""
+    plugin = precision_.plugin(chosen, fake_device)
+    if autocast_cache and chosen.endswith("-mixed"):
+        plugin = _CachedAutocast(plugin)
+        notes.append("autocast weight cache on (--autocast-cache): a bare loop's default torch.autocast; train.py "
+                     "runs Lightning's, with it off")  # fmt: skip
+    elif chosen.endswith("-mixed"):
+        notes.append("autocast weight cache off, as train.py runs it (Lightning's MixedPrecision)")
+    if getattr(plugin, "scaler", None) is not None:
+        plugin.scaler = None  # its step reads found_inf with .item(), which a fake tensor has no value for
+        notes.append("precision=16-mixed: GradScaler's scale and inf-check scalars (a few bytes) left out")
+    return plugin
+
+
+def open_session(config: Config, device: str | None = None, autocast_cache: bool = False) -> Session:
+    """Build the configured module on fake tensors of the estimate's device, and step it once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer import build
+
+    device = estimate_device(config, device)
+    notes: list[str] = []
+    chosen = _precision(config, device, notes)
+    fake_device, rules = _kernels(device, notes)
     hf_config = build.hf_config(config)
     from trainer.data import check_config
 
@@ -297,16 +324,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     elif config.trainer.strategy == "ddp":
         notes.append("trainer=ddp: one rank, without DDP's gradient buckets (a further copy of the gradients)")
     fake = FakeTensorMode()
-    plugin = precision_.plugin(chosen, fake_device)
-    if autocast_cache and chosen.endswith("-mixed"):
-        plugin = _CachedAutocast(plugin)
-        notes.append("autocast weight cache on (--autocast-cache): a bare loop's default torch.autocast; train.py "
-                     "runs Lightning's, with it off")  # fmt: skip
-    elif chosen.endswith("-mixed"):
-        notes.append("autocast weight cache off, as train.py runs it (Lightning's MixedPrecision)")
-    if getattr(plugin, "scaler", None) is not None:
-        plugin.scaler = None  # its step reads found_inf with .item(), which a fake tensor has no value for
-        notes.append("precision=16-mixed: GradScaler's scale and inf-check scalars (a few bytes) left out")
+    plugin = _plugin(chosen, fake_device, autocast_cache, notes)
     with fake, rules, _real_semantics(config), torch.device(fake_device):
         torch.manual_seed(config.seed)
         module = build.module(config, "none", vocab_size=vocab, hf_config=hf_config)

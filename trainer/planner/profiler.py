@@ -226,6 +226,22 @@ def profile(
     if device.type == "cuda" and not fake:
         state = [*model.parameters(), *model.buffers(), *resident]
         untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
+    shape = {"micro_batch": batch[0].shape[0], "seq_len": batch[0].shape[1], "accum": accum, "precision": precision,
+             "device": device.type, "untracked": untracked}  # fmt: skip
+    return _assemble(treatments, blocks, rests, opt, shape, policy, [FAKE_MS_NOTE] if fake else [])
+
+
+def _assemble(
+    treatments: Sequence[str],
+    blocks: dict[str, Any],
+    rests: dict[str, dict[str, Any]],
+    opt: dict[str, Any],
+    shape: dict[str, Any],
+    policy: Policy,
+    notes: list[str],
+) -> Profile:
+    """One Profile per loss head (its embedding and head figures), the blocks and the training state shared; the
+    first head's Profile holds them all in `heads`."""
     common = {
         "treatments": tuple(treatments),
         **blocks,
@@ -234,21 +250,12 @@ def profile(
         "optimizer": opt["optimizer"],
         "opt_peak": opt["peak"],
         "opt_ms": opt["ms"],
-        "micro_batch": batch[0].shape[0],
-        "seq_len": batch[0].shape[1],
-        "accum": accum,
-        "precision": precision,
-        "device": device.type,
+        **shape,
         "prefetch": bool(policy.treatment_policy("offload").cfg.prefetch),
-        "untracked": untracked,
     }
     profiles = {
         name: Profile(
-            **common,
-            **{k: v for k, v in rest.items() if k != "ms"},
-            rest_ms=rest["ms"],
-            loss=name,
-            notes=[FAKE_MS_NOTE] if fake else [],
+            **common, **{k: v for k, v in rest.items() if k != "ms"}, rest_ms=rest["ms"], loss=name, notes=list(notes)
         )  # fmt: skip
         for name, rest in rests.items()
     }

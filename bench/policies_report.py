@@ -1,0 +1,158 @@
+"""bench.policies' report: the side-by-side table, the targets it checks, the header that says how it was measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench._readme import environment_text
+
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+
+TARGETS = {"full": 1.35, "selective": 1.10, "lightning": 1.02, "full_activation": 0.25}
+
+# ----------------------------------------------------------------------------------------------------
+# The report.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def _flops_cell(r: dict[str, Any]) -> str:
+    return f"{r['flops_ratio']:.3f}" + (" †" if r["flops_uncounted"] else "")
+
+
+def table(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    policy_rows = [r for r in result["rows"] if r["kind"] == "policy"]
+    if policy_rows:
+        lines += [
+            "| model | policy | step ms | × none | tokens/s | activation MiB | est. | est./meas. | peak total MiB "
+            "| est. | FLOPs × none | est. |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in policy_rows:
+            est_act = r["est_activation_mib"]
+            lines.append(
+                f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% "
+                f"| {r['step_ratio']:.2f} | {r['tokens_per_s']:,.0f} | {r['activation_mib']:.1f} "
+                f"| {_f(est_act, '.1f')} | {_f(None if est_act is None else est_act / r['activation_mib'], '.2f')} "
+                f"| {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} | {_flops_cell(r)} "
+                f"| {_f(r['est_flops_ratio'], '.3f')} |"
+            )
+    head_rows = [r for r in result["rows"] if r["kind"] == "head"]
+    if head_rows:
+        if lines:
+            lines.append("")
+        lines += [
+            "| model (vocab) | policy | loss head | step ms | × standard | activation MiB | est. | head MiB | est. "
+            "| head share | peak total MiB | est. | FLOPs × standard | est. |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in head_rows:
+            lines.append(
+                f"| {r['model']} ({r['vocab']}) | `{r['policy']}` | `{r['label']}` | {r['step_ms']:.1f} "
+                f"±{100 * r['step_spread']:.0f}% | {r['step_ratio']:.2f} | {r['activation_mib']:.1f} "
+                f"| {_f(r['est_activation_mib'], '.1f')} | {r['head_mib']:.1f} | {_f(r['est_head_mib'], '.1f')} "
+                f"| {100 * r['head_share']:.0f}% | {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
+                f"| {_flops_cell(r)} | {_f(r['est_flops_ratio'], '.3f')} |"
+            )
+    uncounted = sorted(
+        {op for r in result["rows"] if r.get("flops_uncounted") for op in r["flops_uncounted"].split(",")}
+    )
+    if uncounted:
+        lines += ["", f"† FlopCounterMode has no formula for {', '.join(f'`{o}`' for o in uncounted)}: the FLOPs "
+                  "inside it are not counted (measured or estimated)."]  # fmt: skip
+    overhead = [r for r in result["rows"] if r["kind"] == "overhead"]
+    if overhead:
+        lines += ["", "| model | loop (policy `none`) | step ms | × bare |", "|---|---|---:|---:|"]
+        for o in overhead:
+            lines += [
+                f"| {o['model']} | bare loop (`trainer.step.bare_step`) | {o['bare_step_ms']:.1f} "
+                f"±{100 * o['bare_spread']:.0f}% | 1.00 |",
+                f"| {o['model']} | Lightning `Trainer.fit` | {o['lightning_step_ms']:.1f} "
+                f"±{100 * o['lightning_spread']:.0f}% | {o['step_ratio']:.3f} |",
+            ]
+    return "\n".join(lines)
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for i, section in enumerate(result["sections"]):
+        by = {r["name"]: r for r in result["rows"] if r["section"] == i and r["kind"] in ("policy", "overhead")}
+        if "none" not in by:
+            continue  # a section of loss heads only
+
+        def add(what: str, key: str, row: str, limit: float, fmt: str, note: str = "", **kw: Any) -> None:
+            value = kw["by"][row][key] if row in kw["by"] else None
+            out.append(
+                {
+                    "model": kw["model"],
+                    "target": what,
+                    "value": value,
+                    "limit": limit,
+                    "met": None if value is None or note else value <= limit,  # a note: the target does not apply
+                    "shown": "n/a" if value is None else format(value, fmt),
+                    "note": note,
+                }
+            )
+
+        where = {"by": by, "model": section["model"]}
+        add("full step time ≤ 1.35× none", "step_ratio", "full", TARGETS["full"], ".2f", **where)
+        sel = by.get("selective")
+        sdpa = sel is not None and "selective" not in sel["plan"]  # its plan says what it amounts to here
+        note = "not this run: sdpa attention, where selective stores like none" if sdpa else ""
+        add("selective (eager attention) step time ≤ 1.10× none", "step_ratio", "selective", TARGETS["selective"],
+            ".2f", note, **where)  # fmt: skip
+        add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f", **where)
+        add("activation peak of full ≤ 1/4 of none", "activation_ratio", "full", TARGETS["full_activation"], ".3f",
+            **where)  # fmt: skip
+    return out
+
+
+def targets_text(items: list[dict[str, Any]]) -> str:
+    lines = ["Targets (reported, not asserted):", ""]
+    for t in items:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
+        lines.append(
+            f"- {t['model']}: {t['target']}: {t['shown']} — {verdict}" + (f" ({t['note']})" if t["note"] else "")
+        )
+    return "\n".join(lines)
+
+
+def header(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    shapes = "; ".join(f"{s['shape']}" for s in result["sections"])
+    fwd = "autocast forward (no weight cache)" if m["precision"].endswith("-mixed") else f"{m['precision']} forward"
+    clip = result["sections"][0]["grad_clip"]
+    skipped = {k: v for s in result["sections"] for k, v in s["skipped"].items()}
+    not_run = "".join(f" Not run: `{k}` ({v.rstrip('.')})." for k, v in skipped.items())
+    heads = [r for r in result["rows"] if r["kind"] == "head"]
+    head_text = ""
+    if heads:
+        head_text = (
+            f" Loss heads at vocab {heads[0]['vocab']} on `{heads[0]['model']}`: ratios against `standard` under the "
+            "same policy; head MiB = the most the head (final norm, logits, loss; forward and backward) held at once "
+            "(StepMeter's head_peak), head share = head MiB / activation MiB."
+        )
+    peak = "; CUDA: the live-tensor figure (the allocator's peak is in results.csv)" if m["device"] == "cuda" else ""
+    return (
+        f"Generated by `{m['command']} --write-readme` ({environment_text(m)}, {m['seconds']:.0f} s). "
+        f"Shapes: {shapes}. One process; per configuration one `DecoderModule` (seeded as train.py seeds it) and one "
+        "fixed batch of random tokens. Every variant runs `trainer.step.bare_step`, the step as Lightning runs it "
+        f"({fwd}, zero_grad after the first forward, backward, clip {clip:g}, AdamW, LR step), in {m['rounds']} "
+        f"interleaved rounds (order rotated) after {m['warmup_rounds']} warm-up; medians (± half the IQR); "
+        "× = median of per-round ratios. Activation and peak total: `trainer.step.StepMeter` (a run's "
+        f"memory/activation_peak_mib and memory/peak_total_mib{peak}). FLOPs: `trainer.flops.count_flops` over the "
+        "step (recompute included). est.: `trainer.estimate` for the same config on fake tensors."
+        + head_text
+        + " Lightning: one `Trainer.fit` of the same `DecoderModule` on a fixed in-memory batch (no logger, "
+        "checkpoints or progress bar), each iteration timed from one `on_train_batch_start` to the next, alternating "
+        f"with a bare step of a twin module run from that hook; median of per-pair ratios over {m['overhead_pairs']} "
+        f"pairs.{not_run}"
+    )
+
+
+def report(result: dict[str, Any]) -> str:
+    return header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
