@@ -33,8 +33,8 @@ seam is an `AttentionInterface` function.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -194,6 +194,16 @@ class FamilySpec:
     adapter: Callable[[nn.Module], DecoderAdapter]
     build: Callable[[Any, int | None, Any], nn.Module]  # (config node, tokenizer vocab or None, loaded HF config)
     check: Callable[[Any], None] | None = None
+    # Its test size, as data: the conf/model preset and the model.* overrides that shrink it. Family-wide tests and
+    # benches iterate the registry with these, so a new family is in them without editing them (None: hf, whose
+    # tests build tiny configs of transformers' families instead).
+    preset: str | None = None
+    tiny: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def tiny_overrides(self) -> list[str]:
+        """Hydra overrides for the family's test-size model."""
+        return [f"model={self.preset}", *(f"model.{k}={v}" for k, v in self.tiny.items())]
 
 
 FAMILIES: dict[str, FamilySpec] = {}  # the only list of families, filled by each family's module on import

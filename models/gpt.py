@@ -175,4 +175,4 @@ class GPT(nn.Module):
         return logits, loss
 
 
-register_native("gpt", GPT, GPTConfig)
+register_native("gpt", GPT, GPTConfig, preset="micro", tiny={})  # micro is already test-sized

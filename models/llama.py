@@ -242,4 +242,10 @@ class Llama(nn.Module):
         return logits, loss
 
 
-register_native("llama", Llama, LlamaConfig)
+register_native(
+    "llama",
+    Llama,
+    LlamaConfig,
+    preset="llama-tiny",
+    tiny={"n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "mlp_hidden": 128, "dropout": 0.1},
+)

@@ -1,5 +1,6 @@
 """This project's own decoders behind the contract: one adapter for every native family, and the registration a
-native family makes in its own module (`register_native("gpt", GPT, GPTConfig)` at the end of models/gpt.py).
+native family makes in its own module (`register_native("gpt", GPT, GPTConfig, preset=…, tiny=…)` at the end of
+models/gpt.py).
 
 A native model has `layers` (nn.ModuleList), `hidden_states(idx)` (its forward with `hidden_only=True`), `lm_head`,
 `config` (with n_layer, n_embd, n_head, vocab_size, block_size, attention, dropout) and a `core_attention` method on
@@ -9,6 +10,7 @@ each layer's `attn`; its config class is a dataclass whose fields a config node 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -78,9 +80,11 @@ def _check(name: str, config_cls: type, cfg: Any) -> None:
     native_config(cfg, config_cls)  # the config class's own range checks (n_head ÷ n_kv_head, ...)
 
 
-def register_native(name: str, model_cls: type[nn.Module], config_cls: type) -> FamilySpec:
+def register_native(
+    name: str, model_cls: type[nn.Module], config_cls: type, preset: str, tiny: Mapping[str, Any]
+) -> FamilySpec:
     """Register a native family: its models are `model_cls`, built from `config_cls` with the tokenizer's vocabulary
-    (unless the config node's vocab_size is larger)."""
+    (unless the config node's vocab_size is larger); `preset` and `tiny`, its test size (FamilySpec)."""
 
     def build(cfg: Any, vocab_size: int | None, hf_config: Any = None) -> nn.Module:
         return model_cls(native_config(cfg, config_cls, max(vocab_size or 0, cfg.vocab_size or 0) or None))
@@ -92,5 +96,7 @@ def register_native(name: str, model_cls: type[nn.Module], config_cls: type) -> 
             adapter=functools.partial(NativeAdapter, family=name),
             build=build,
             check=functools.partial(_check, name, config_cls),
+            preset=preset,
+            tiny=dict(tiny),
         )
     )

@@ -19,10 +19,14 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from models import FAMILIES  # noqa: E402
 from trainer.schema import register_configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# Every registered native family, from the registry: family-wide tests build each at its test size
+# (FamilySpec.tiny_overrides), so a new family is in them without editing them.
+NATIVE_FAMILIES = [name for name, spec in FAMILIES.items() if spec.preset is not None]
 
 # Tiny shapes: a training step takes milliseconds; every test run of the trainer uses these.
 SMALL = [

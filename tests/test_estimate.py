@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from models import FAMILIES
+from tests.conftest import NATIVE_FAMILIES, ROOT
 from trainer import precision
 from trainer.estimate import (
     CudaKernelRules,
@@ -43,9 +44,7 @@ ESTIMATE_SLACK_BYTES = 64
 
 # The four families at test size (each at least 2 layers, so every policy's conf defaults fit).
 MODELS = {
-    "gpt": ["model=micro"],
-    "llama": ["model=llama-tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2",
-              "model.mlp_hidden=128", "model.dropout=0.1"],
+    **{family: FAMILIES[family].tiny_overrides for family in NATIVE_FAMILIES},
     "hf-llama": ["model=hf", "model.attention=eager"],  # + model.name_or_path (the session's tiny folder)
     "hf-gpt2": ["model=hf", "model.attention=eager"],
     # layers one level down (model.decoder.layers); attention inline with transformers' own eager (no SDPA)
@@ -94,7 +93,7 @@ def _with_policy(cfg: Any, policy: str) -> Any:
 
 # Every model × shape × policy for the four families; OPT under every policy and Bloom under the policies it takes
 # (no seam: not selective) in fp32, to keep the suite's time.
-CASES = [(m, shape, p) for m in ("gpt", "llama", "hf-llama", "hf-gpt2") for shape in SHAPES for p in POLICY_NAMES]
+CASES = [(m, shape, p) for m in (*NATIVE_FAMILIES, "hf-llama", "hf-gpt2") for shape in SHAPES for p in POLICY_NAMES]
 CASES += [("hf-opt", "fp32", p) for p in POLICY_NAMES] + [("hf-bloom", "fp32", p) for p in ("full", "op_sac")]
 
 
@@ -131,7 +130,7 @@ def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Cal
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "hf-llama"])
+@pytest.mark.parametrize("model", [*NATIVE_FAMILIES, "hf-llama"])
 def test_flops_equal_flop_counter_over_a_real_step(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], model: str
 ) -> None:

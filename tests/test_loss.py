@@ -4,16 +4,18 @@ fp32 and bf16 autocast), and chunked never holds an N×V tensor."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
 import torch
 
+from models import FAMILIES, build_model
 from models.adapter import adapter_for
-from models.gpt import GPT, GPTConfig
-from models.llama import Llama, LlamaConfig
+from tests.conftest import NATIVE_FAMILIES
 from trainer.loss import LossConfig, head_loss
 from trainer.memory import LiveTensorTracker
+from trainer.schema import compose_config
 
 V, T, B = 1000, 24, 3
 # fp32: the heads sum the same per-token losses in another order: ≤ 1e-6 relative. bf16 autocast: the head weight's
@@ -33,12 +35,17 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, precision: str, what: st
 
 
 def model(family: str, tied: bool) -> Any:
+    """The family at its test size (the registry's), one layer, no dropout, this vocabulary and length."""
+    return copy.deepcopy(_model(family, tied))
+
+
+@functools.cache
+def _model(family: str, tied: bool) -> Any:
+    shrink = ["model.n_layer=1", "model.dropout=0.0", f"model.vocab_size={V}", f"model.block_size={T}",
+              f"model.tie_embeddings={tied}"]  # fmt: skip
+    config = compose_config([*FAMILIES[family].tiny_overrides, *shrink, f"seq_len={T}"])
     torch.manual_seed(0)
-    if family == "gpt":
-        return GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=32, dropout=0.0,
-                             tie_embeddings=tied))  # fmt: skip
-    return Llama(LlamaConfig(vocab_size=V, block_size=T, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
-                             tie_embeddings=tied))  # fmt: skip
+    return build_model(config.model)
 
 
 def batch(ignored: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +71,7 @@ def loss_and_grads(m: Any, cfg: LossConfig, precision: str, ignored: bool) -> tu
 @pytest.mark.parametrize("ignored", [False, True], ids=["no-ignore", "ignore_index"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
 @pytest.mark.parametrize("name, chunk", [("chunked", 16), ("chunked", 50), ("fused", 16)])
 def test_chunked_and_fused_equal_standard(family: str, tied: bool, precision: str, ignored: bool, name: str,
                                           chunk: int) -> None:  # fmt: skip

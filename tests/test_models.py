@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from models import build_model
+from models import FAMILIES, build_model
 from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from tests.conftest import CONF
+from tests.conftest import CONF, NATIVE_FAMILIES
 from trainer.memory import LiveTensorTracker
 from trainer.policies import apply_policy
 from trainer.schema import validate
@@ -116,8 +117,24 @@ def test_every_model_yaml_builds_through_the_contract(compose_cfg: Any, hf_model
             model = build_model(m, 256)
         a = adapter_for(model)
         d = a.describe()
-        assert a.n_layer == len(a.layers) > 0 and d["family"] in ("gpt", "llama", "hf"), path.stem
+        assert a.n_layer == len(a.layers) > 0 and d["family"] in FAMILIES, path.stem
         assert a.head.weight.shape[-1] == d["n_embd"] and a.attention in ("eager", "sdpa")
+
+
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+def test_every_native_family_has_a_test_size_that_trains(compose_cfg: Any, family: str) -> None:
+    """What the family-wide tests iterate: the registry's test size of each native family is a conf/model preset of
+    that family, shrunk, and it builds and takes a backward through the contract."""
+    from trainer import build
+
+    spec = FAMILIES[family]
+    assert OmegaConf.load(CONF / "model" / f"{spec.preset}.yaml").family == family
+    config = validate(compose_cfg(*spec.tiny_overrides, "policy=full"))
+    module = build.module(config, "full")
+    assert module.adapter.family == family
+    idx = torch.randint(0, 256, (2, 16))
+    module.loss_of((idx, idx)).backward()
+    assert all(p.grad is not None for p in module.parameters())
 
 
 def test_gpt_tied_and_untied_heads() -> None:
@@ -144,7 +161,7 @@ def test_a_new_native_family_is_one_module_that_registers(compose_cfg: Any) -> N
     class Toy(GPT):
         pass
 
-    register_native("toy", Toy, GPTConfig)
+    register_native("toy", Toy, GPTConfig, preset="micro", tiny={})
     try:
         config = validate(compose_cfg("model=micro", "model.family=toy", "policy=full"))
         module = build.module(config, "full")
