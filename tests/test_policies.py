@@ -797,3 +797,41 @@ def test_a_policy_brings_its_callbacks() -> None:
     assert all(build_policy(CASES[c]).callbacks() == [] for c in CASES)
     with pytest.raises(PolicyError, match="is not planned"):
         build_policy("full").choose(["none"])
+
+
+def test_a_new_treatment_with_a_parameter_is_one_class() -> None:
+    """What the README's extending table says: a treatment registers with its Config, and per_block and auto take
+    its parameter under policy.params.<name> (in their schema, validated, handed to its blocks) with no other edit."""
+    from trainer.policies import PolicyConfig, register
+
+    @dataclasses.dataclass
+    class ScaledConfig(PolicyConfig):
+        factor: float = 1.0
+
+        def __post_init__(self) -> None:
+            if self.factor <= 0:
+                raise ValueError(f"policy.factor={self.factor} must be > 0")
+
+    @register
+    class Scaled(policies.Policy):
+        name = "scaled_test"
+        treatment = True
+        Config = ScaledConfig
+
+        def run(self, fn: Any, x: torch.Tensor, key: int) -> torch.Tensor:
+            return fn(x * self.cfg.factor) / self.cfg.factor if self.cfg.factor != 1.0 else fn(x)
+
+    try:
+        assert config_node(POLICIES["per_block"]).params["scaled_test"] == {"factor": 1.0}
+        assert "scaled_test" in config_node(POLICIES["auto"]).params
+        policy = build_policy(
+            {"name": "per_block", "pattern": ["scaled_test"], "params": {"scaled_test": {"factor": 2}}}
+        )
+        assert policy.treatment_policy("scaled_test").cfg.factor == 2.0
+        with pytest.raises(PolicyError, match="policy.params.scaled_test.factor=-1"):
+            build_policy({"name": "per_block", "pattern": ["none"], "params": {"scaled_test": {"factor": -1}}})
+        model = copy.deepcopy(base_model("eager", 0.0))
+        apply_policy(model, policy)
+        assert model.activation_plan.describe() == "[0-3]:scaled_test"
+    finally:
+        POLICIES.pop("scaled_test")

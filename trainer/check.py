@@ -122,7 +122,7 @@ def _plan_first(config: Any, policy: Any, ref: Any, mod: Any, batch: Any, precis
         mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)
 
 
-def _compare(out: CheckResult, s: int, names: list[str], grads: dict[int, list[torch.Tensor]],
+def compare_step(out: CheckResult, s: int, names: list[str], grads: dict[int, list[torch.Tensor]],
              losses: tuple[float, float], tolerance: float) -> None:  # fmt: skip
     """Step `s`'s gradients and losses, the policy's against none's, into `out` (the first failure kept)."""
     out.losses.append(losses)
@@ -210,7 +210,7 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
 
             loss = step_.bare_step(m, micro, opt, sched, plugin, config.trainer.grad_clip, before_update=keep)
             losses.append(float(loss))
-        _compare(out, s, names, grads, (losses[0], losses[1]), tolerance)
+        compare_step(out, s, names, grads, (losses[0], losses[1]), tolerance)
     return out
 
 
