@@ -41,8 +41,14 @@ from trainer import metrics as M
 # category -> chart title -> tags (trainer/metrics.py). One line per tag and run ("Multiline").
 CHARTS: dict[str, dict[str, tuple[str, ...]]] = {
     "memory": {
-        "activation peak (MiB, live tensors of one micro-batch)": (M.ACTIVATION_PEAK,),
-        "whole-step peak (MiB: weights, grads, optimizer state, activations)": (M.PEAK_TOTAL,),
+        "activation peak (MiB, live tensors of one micro-batch): measured and predicted": (
+            M.ACTIVATION_PEAK,
+            M.PREDICTED_ACTIVATION_PEAK,
+        ),
+        "whole-step peak (MiB: weights, grads, optimizer state, activations): measured and predicted": (
+            M.PEAK_TOTAL,
+            M.PREDICTED_PEAK_TOTAL,
+        ),
         "CUDA peak allocated / reserved (MiB)": (M.PEAK_ALLOCATED, M.PEAK_RESERVED),
         "CUDA allocator retries": (M.ALLOC_RETRIES,),
     },

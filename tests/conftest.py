@@ -37,6 +37,7 @@ SMALL = [
     "trainer.enable_progress_bar=false",
     "measure.warmup_steps=1",
     "measure.activation_every_n_steps=2",
+    "measure.predict=false",  # each run's own prediction is tests/test_prediction.py's: the suite's time
 ]
 
 register_configs()

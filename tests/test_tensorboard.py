@@ -63,7 +63,10 @@ def test_cpu_layout_has_no_cuda_charts_and_a_peak_total_chart() -> None:
     assert charted(layout) == {t: 0 if t in M.CUDA_TAGS else 1 for t in STEP_TAGS}
     memory = layout["memory"]
     assert len(memory) == 2 and not any("CUDA" in title for title in memory)
-    assert [r for _, tags in memory.values() for r in tags] == [f"^{M.ACTIVATION_PEAK}$", f"^{M.PEAK_TOTAL}$"]
+    # each measured peak on one chart with the run's own prediction of it
+    assert [r for _, tags in memory.values() for r in tags] == [
+        f"^{M.ACTIVATION_PEAK}$", f"^{M.PREDICTED_ACTIVATION_PEAK}$", f"^{M.PEAK_TOTAL}$", f"^{M.PREDICTED_PEAK_TOTAL}$"
+    ]  # fmt: skip
     assert all(tags for charts in layout.values() for _, tags in charts.values())  # no empty chart
     assert not re.match(layout["loss"]["train and val loss"][1][0], M.hparam_tag(M.FINAL_VAL_LOSS))  # exact
 

@@ -29,6 +29,11 @@ AUTO_PLAN_TEXT = "policy/auto"
 AUTO_REPLAN_TEXT = "policy/auto_replan"
 PLAN_TAGS = (AUTO_BUDGET, AUTO_PREDICTED_PEAK, AUTO_PLAN_TEXT, AUTO_REPLAN_TEXT)  # not per step: charted nowhere
 
+# The run's own prediction (callbacks/prediction.py): the estimator's figures for this configuration, taken at
+# fit start, logged at the first and last step so each charts as a line beside the measured one.
+PREDICTED_ACTIVATION_PEAK = "memory/predicted_activation_peak_mib"
+PREDICTED_PEAK_TOTAL = "memory/predicted_peak_total_mib"
+
 # summary.json keys of the run's figures (and, as hparam_tag(key), the HParams tab's metric columns)
 STEPS = "steps"
 MEDIAN_STEP_MS = "median_step_ms"
@@ -43,6 +48,22 @@ FINAL_VAL_PPL = "final_val_ppl"
 TIME_INCLUDES_WARMUP = "time_includes_warmup"  # the run was no longer than its warm-up: its times include it
 TIME_INCLUDES_TRACKED = "time_includes_tracked"  # every step after warm-up was tracked: its times include those
 AUTO = "auto"  # policy=auto's plan, predicted and measured figures (callbacks/planner.py)
+PREDICTED_ACTIVATION_PEAK_KEY = "predicted_activation_peak_mib"
+PREDICTED_PEAK_TOTAL_KEY = "predicted_peak_total_mib"
+PREDICTION_NOTE = "prediction_note"  # why a run has no prediction (the estimator's one line)
+PREDICTED_TAGS = {
+    PREDICTED_ACTIVATION_PEAK_KEY: PREDICTED_ACTIVATION_PEAK,
+    PREDICTED_PEAK_TOTAL_KEY: PREDICTED_PEAK_TOTAL,
+}
+ACTIVATION_PEAK_ERROR = "activation_peak_error"
+PEAK_TOTAL_ERROR = "peak_total_error"
+# (predicted key, measured key, error key): the signed error (predicted − measured) / measured, where measured
+PREDICTIONS = (
+    (PREDICTED_ACTIVATION_PEAK_KEY, ACTIVATION_PEAK_KEY, ACTIVATION_PEAK_ERROR),
+    (PREDICTED_PEAK_TOTAL_KEY, PEAK_TOTAL_KEY, PEAK_TOTAL_ERROR),
+    (PREDICTED_PEAK_TOTAL_KEY, PEAK_ALLOCATED_KEY, "peak_allocated_error"),  # CUDA: beside the allocator's peaks
+    (PREDICTED_PEAK_TOTAL_KEY, PEAK_RESERVED_KEY, "peak_reserved_error"),
+)
 SUMMARY_FIGURES = (
     STEPS,
     ACTIVATION_PEAK_KEY,
@@ -52,6 +73,15 @@ SUMMARY_FIGURES = (
     TOKENS_PER_S_KEY,
     FINAL_TRAIN_LOSS,
     FINAL_VAL_LOSS,
+)
+
+# What the report reads from a summary: the figures, the prediction and its errors.
+REPORT_FIGURES = (
+    *SUMMARY_FIGURES,
+    PREDICTED_ACTIVATION_PEAK_KEY,
+    ACTIVATION_PEAK_ERROR,
+    PREDICTED_PEAK_TOTAL_KEY,
+    PEAK_TOTAL_ERROR,
 )
 
 # summary key -> the tag it is made from and how a run's steps reduce to it (`reduce`): the measuring callback's

@@ -52,7 +52,7 @@ METRIC_NOTES = {
     M.ACTIVATION_PEAK_KEY: "live tensors of one micro-batch's forward+backward above what was live before it, "
     "gradients excluded (measured on any device; on CPU the only per-policy memory figure)",
 }
-FIGURES = M.SUMMARY_FIGURES
+FIGURES = M.REPORT_FIGURES
 
 
 @dataclass(eq=False)  # a job is itself: compared by identity
@@ -327,6 +327,8 @@ def columns(jobs: list[Job]) -> list[tuple[str, str, int]]:
     cols = [("act. peak MiB", M.ACTIVATION_PEAK_KEY, 2), ("peak alloc MiB", M.PEAK_ALLOCATED_KEY, 1)]  # "—": no CUDA
     if any(j.get(M.PEAK_TOTAL_KEY) is not None for j in jobs):
         cols.append(("step peak MiB", M.PEAK_TOTAL_KEY, 1))
+    if any(j.get(M.PREDICTED_ACTIVATION_PEAK_KEY) is not None for j in jobs):  # the run's own prediction
+        cols += [("est. act. MiB", M.PREDICTED_ACTIVATION_PEAK_KEY, 2), ("act. err", M.ACTIVATION_PEAK_ERROR, 4)]
     cols += [("step ms", M.MEDIAN_STEP_MS, 1), ("tokens/s", M.TOKENS_PER_S_KEY, 0)]
     return cols
 

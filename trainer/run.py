@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from callbacks.guards import NonFiniteError, NumericGuard
 from callbacks.measure import MeasureCallback
+from callbacks.prediction import PredictionCallback
 from callbacks.progress import StepProgressBar
 from callbacks.snapshot import MemorySnapshot
 from callbacks.sweep_progress import sweep_progress
@@ -215,7 +216,10 @@ class Run:
         # What the policy brings (auto: its planner, at fit start from a profile of the real batch); after `measure`,
         # so it sees each step.
         self.policy_callbacks: list[L.Callback] = module.policy.callbacks()
-        callbacks: list[L.Callback] = [self.measure, self.guard, *self.policy_callbacks, *extra]
+        # The run's own prediction, after the policy's callbacks (auto's plan is chosen by then).
+        self.prediction = PredictionCallback(config) if config.measure.predict else None
+        callbacks: list[L.Callback] = [self.measure, self.guard, *self.policy_callbacks]
+        callbacks += [*([self.prediction] if self.prediction else []), *extra]
         callbacks += sweep_progress()  # "job i/n step s/max" in a Hydra multirun; [] otherwise
         m = config.measure
         if m.snapshot_step is not None or m.snapshot_on_oom:
@@ -294,7 +298,7 @@ class Run:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 status = "interrupted"
             reason = one_line(e) if isinstance(e, NonFiniteError) else f"{type(e).__name__}: {one_line(e)}"
-            summary = {**self.measure.summary(), **self.policy_summary()}
+            summary = self.measured()
             self._finish({**self.identity(), "status": status, "error": reason, **summary})
             if status == "interrupted":
                 raise
@@ -305,14 +309,18 @@ class Run:
             {
                 **self.identity(),
                 "status": "completed",
-                **self.measure.summary(),
-                **self.policy_summary(),
+                **self.measured(),
                 metrics.FINAL_VAL_LOSS: val_loss,
                 metrics.FINAL_VAL_PPL: math.exp(val_loss) if val_loss is not None else None,
                 "skipped_steps": self.guard.skipped_steps,
                 **({"per_rank": ranks} if ranks else {}),
             }
         )
+
+    def measured(self) -> dict[str, Any]:
+        """The measuring callback's figures, the policy's callbacks' and the run's own prediction beside them."""
+        figures = {**self.measure.summary(), **self.policy_summary()}
+        return figures | (self.prediction.summary(figures) if self.prediction else {})
 
     def policy_summary(self) -> dict[str, Any]:
         """What the policy's callbacks add to summary.json (auto: its plan, predicted beside measured)."""
@@ -349,7 +357,8 @@ class Run:
         }
 
     def per_rank(self) -> list[dict[str, float]]:
-        """Each rank's activation peak and a checksum of its parameters (data parallel keeps them equal)."""
+        """Each rank's activation peak, its own prediction of it, and a checksum of its parameters (data parallel
+        keeps them equal)."""
         trainer = self.trainer
         if trainer.world_size == 1:
             return []
@@ -359,13 +368,17 @@ class Run:
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.module.parameters()]
             checksum = sum(float(p.double().sum()) for p in params)
         # NaN crosses the all-gather for "not measured" (a run shorter than the tracked step); it is null in JSON.
-        local = torch.tensor(
-            [math.nan if act is None else act, checksum], dtype=torch.float64, device=self.module.device
-        )
-        gathered = trainer.strategy.all_gather(local).cpu()  # (world, 2)
+        predicted = self.prediction.predicted.get(metrics.PREDICTED_ACTIVATION_PEAK_KEY) if self.prediction else None
+        values = [math.nan if act is None else act, checksum, math.nan if predicted is None else predicted]
+        gathered = trainer.strategy.all_gather(torch.tensor(values, dtype=torch.float64, device=self.module.device))
         return [
-            {"rank": r, metrics.ACTIVATION_PEAK_KEY: None if math.isnan(a) else float(a), "param_checksum": float(c)}
-            for r, (a, c) in enumerate(gathered.tolist())
+            {
+                "rank": r,
+                metrics.ACTIVATION_PEAK_KEY: None if math.isnan(a) else float(a),
+                metrics.PREDICTED_ACTIVATION_PEAK_KEY: None if math.isnan(p) else float(p),
+                "param_checksum": float(c),
+            }
+            for r, (a, c, p) in enumerate(gathered.cpu().tolist())
         ]
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:

@@ -146,6 +146,9 @@ class MeasureConfig:
     # timeline (JSON + PNG). null: off.
     snapshot_step: int | None = None
     snapshot_on_oom: bool = False  # CUDA: record allocator history from fit start; dump it if the run dies of OOM
+    # At fit start, the estimator's prediction of this run's peaks (fake tensors, seconds for the models a run
+    # trains), written beside the measured ones in summary.json with the signed error of each
+    predict: bool = True
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.activation_every_n_steps < 0:

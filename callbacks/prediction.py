@@ -1,0 +1,89 @@
+"""Every run predicts itself: at fit start, before the first step, the estimator runs this run's configuration on
+fake tensors (the same code as `python -m trainer.estimate`: the module built as the run builds it, one steady
+step as Lightning runs it), and summary.json carries the prediction beside the measurement with the signed error
+of each (`trainer.metrics.PREDICTIONS`). So every run a user makes, on any hardware, is a check of the estimate.
+
+The policy and loss head are the ones the run trains with: under `policy=auto`, the plan its planner chose (this
+callback runs after it). Each rank predicts its own share (FSDP2 shards the state across the ranks). A model the
+estimator cannot run says why in one line (`prediction_note`) and the run goes on with the fields null. The RNG is
+left as it was found, so the run's dropout masks do not depend on `measure.predict`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+
+from trainer import metrics as M
+from trainer.text import MIB, one_line
+
+log = logging.getLogger(__name__)
+
+
+class PredictionCallback(L.Callback):
+    """The estimator's figures for this run, taken at fit start; `summary(measured)` adds them and the errors."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.predicted: dict[str, float] = {}
+        self.note: str | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from trainer.errors import UserError
+        from trainer.estimate import measure, open_session
+        from trainer.policies import build_policy
+
+        model = getattr(pl_module, "model", pl_module)
+        installed = getattr(model, "activation_policy", None) or pl_module.policy
+        policy = build_policy(installed.cfg)  # its own object: the run's holds the run's state (offload's streams)
+        if policy.planned_first:
+            policy.choose(model.activation_plan.treatments)  # the plan its planner chose for this run
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        session = None
+        try:
+            session = open_session(self.config, pl_module.device.type)
+            est = measure(session, policy, pl_module.loss_config)
+        except (UserError, ValueError, NotImplementedError, RuntimeError) as e:  # the estimator's refusals
+            self.note = f"not predicted: {one_line(e)}"
+            log.warning(self.note)
+            return
+        finally:
+            if session is not None:
+                session.close()
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        self.predicted = {
+            M.PREDICTED_ACTIVATION_PEAK_KEY: est.activation_bytes / MIB,
+            M.PREDICTED_PEAK_TOTAL_KEY: est.peak_bytes / MIB,
+        }
+        self._log(trainer, 0)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._log(trainer, trainer.global_step)  # the prediction as a line across the measured steps' chart
+
+    def _log(self, trainer: L.Trainer, step: int) -> None:
+        if not self.predicted:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({M.PREDICTED_TAGS[k]: v for k, v in self.predicted.items()}, step=step)
+
+    def summary(self, measured: dict[str, Any]) -> dict[str, Any]:
+        """The predicted figures and, for each measured figure the run has, the signed error (predicted − measured)
+        / measured; nulls when there is no prediction (`measure.predict=false`, or the estimator's one-line why)."""
+        if not self.predicted and self.note is None:
+            return {}
+        out: dict[str, Any] = {key: self.predicted.get(key) for key in M.PREDICTED_TAGS}
+        for predicted, actual, error in M.PREDICTIONS:
+            p, m = self.predicted.get(predicted), measured.get(actual)
+            if p is not None and m:
+                out[error] = (p - m) / m
+            elif actual in measured:
+                out[error] = None
+        if self.note is not None:
+            out[M.PREDICTION_NOTE] = self.note
+        return out
