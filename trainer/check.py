@@ -103,19 +103,10 @@ def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any)
 def _plan_first(config: Any, policy: Any, ref: Any, mod: Any, batch: Any, precision: str) -> None:
     """A policy planned before it runs: plan it on the first batch as the run does at fit start, install the plan,
     and train both sides with the plan's loss head."""
-    from trainer.planner import default_optimizer, head_candidates, plan_model
+    from trainer.estimate.plan import plan_module
     from trainer.policies import apply_policy
 
-    result = plan_model(
-        mod.model,
-        batch,
-        policy,
-        loss_fns=head_candidates(mod, policy.cfg),
-        precision=precision,
-        accum=config.accum,
-        make_optimizer=default_optimizer(config.optim.weight_decay),
-        grad_clip=config.trainer.grad_clip,
-    )
+    result = plan_module(config, mod, policy, batch, precision)
     policy.choose(result.treatments)
     apply_policy(mod.model, policy)
     if result.loss and result.loss != mod.loss_config.name:  # the plan's head, on both sides

@@ -19,7 +19,8 @@ from trainer.policies import Plan, Policy, build_policy
 from trainer.schema import Config
 
 
-def _plan_module(config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str) -> PlanResult:
+def plan_module(config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str) -> PlanResult:
+    """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping."""
     policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
         module.model,
@@ -46,7 +47,7 @@ def plan_result_for_config(config: Config, device: torch.device | str | None = N
         with contextlib.closing(session), session.active():
             for p in session.module.parameters():  # the profile measures its own state from none
                 p.grad = None
-            return _plan_module(config, session.module, policy, session.batches[0], session.precision)
+            return plan_module(config, session.module, policy, session.batches[0], session.precision)
     device = torch.device(device if device is not None else build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
     cpu = torch.get_rng_state()
@@ -61,7 +62,7 @@ def plan_result_for_config(config: Config, device: torch.device | str | None = N
                  torch.randint(0, vocab, shape, generator=g).to(device))  # fmt: skip
     finally:
         torch.set_rng_state(cpu)
-    return _plan_module(config, module, policy, batch, chosen)
+    return plan_module(config, module, policy, batch, chosen)
 
 
 def plan_for_config(
