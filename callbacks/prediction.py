@@ -47,7 +47,8 @@ class PredictionCallback(L.Callback):
         try:
             session = open_session(self.config, pl_module.device.type)
             est = measure(session, policy, pl_module.loss_config)
-        except (UserError, ValueError, NotImplementedError, RuntimeError) as e:  # the estimator's refusals
+        except (UserError, ValueError, NotImplementedError, RuntimeError) as e:  # what the estimator raises on a model
+            # it cannot run (its one-line refusals, an op with no fake kernel): the prediction's failure, not the run's
             self.note = f"not predicted: {one_line(e)}"
             log.warning(self.note)
             return

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
-from models.llama import Llama, LlamaConfig
+from tests.conftest import NATIVE_FAMILIES
 from trainer import policies
 from trainer.flops import count_flops
 from trainer.memory import LiveTensorTracker
@@ -194,17 +194,22 @@ def test_loss_and_every_gradient_equal_none_bitwise(
 # jamba: a hybrid, half its layers without attention; opt: layers one level down; cohere: a logit scale before the
 # loss; falcon and bloom: attention inline (no seam, so selective is refused) and layers returning a tuple whose
 # first element the loop reads (so groups hand on a stand-in tuple)
-FAMILIES = ("llama", "hf-llama", "hf-gpt2", "hf-jamba", "hf-opt", "hf-cohere", "hf-falcon", "hf-bloom")
+# The native families come from the registry (each at its test size, L layers, dropout on), so a new one is in.
+FAMILIES = (*NATIVE_FAMILIES, "hf-llama", "hf-gpt2", "hf-jamba", "hf-opt", "hf-cohere", "hf-falcon", "hf-bloom")
 _family_models: dict[str, Any] = {}
 
 
 def family_model(family: str, hf_models: dict[str, Any]) -> Any:
     if family not in _family_models:
         torch.manual_seed(0)
-        if family == "llama":
-            config = LlamaConfig(vocab_size=V, block_size=T, n_layer=L, n_head=4, n_kv_head=2, n_embd=C,
-                                 mlp_hidden=64, dropout=0.1, attention="eager")  # fmt: skip
-            _family_models[family] = Llama(config)
+        if family in NATIVE_FAMILIES:
+            from models import FAMILIES as REGISTRY
+            from models import build_model
+            from trainer.schema import compose_config
+
+            shape = [f"model.vocab_size={V}", f"model.block_size={T}", f"model.n_layer={L}", "model.dropout=0.1",
+                     "model.attention=eager", f"seq_len={T}"]  # fmt: skip
+            _family_models[family] = build_model(compose_config([*REGISTRY[family].tiny_overrides, *shape]).model)
         else:
             from models.hf import load_causal_lm
 
@@ -686,6 +691,10 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
             {"name": "per_block", "pattern": ["full"], "params": {"fulll": {}}},
             ["policy.params.fulll", "not a treatment"],
         ),
+        (  # the key of before, moved: the line says where it goes now
+            {"name": "per_block", "pattern": ["op_sac"], "save_ops": ["aten.mm"]},
+            ["policy.save_ops", "give policy.params.op_sac.save_ops"],
+        ),
         (
             {"name": "per_block", "pattern": ["full"], "params": {"offload": {"min_bytes": -1}}},
             ["policy.params.offload.min_bytes=-1"],
@@ -767,6 +776,12 @@ def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:
     with_params = {n for n, c in POLICIES.items() if c.treatment and len(dataclasses.fields(c.Config)) > 1}
     assert set(auto["params"]) == with_params and {"op_sac", "offload"} <= with_params
     assert list(auto["params"]["op_sac"]["save_ops"]) == list(DEFAULT_SAC_SAVE_OPS)
+    # the old spelling on the command line is one line naming the new one
+    from trainer.schema import describe_user_error
+
+    with pytest.raises(Exception) as e:
+        compose_config(["policy=auto", "policy.budget_mib=100", "policy.save_ops=[aten.mm]"])
+    assert "policy.params.op_sac.save_ops" in (describe_user_error(e.value) or "")
     # and a policy's own parameter stays where it was
     assert build_policy(compose_config(["policy=op_sac", "policy.save_ops=[aten.mm]"]).policy).cfg.save_ops == [
         "aten.mm"

@@ -13,13 +13,8 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from trainer.report import (
-    build_report,
-    main,
-    pareto_front,
-    point_positions,
-    read_jobs,
-)
+from trainer.plots import pareto_front, point_positions
+from trainer.report import build_report, main, read_jobs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

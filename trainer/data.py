@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.corpus import (  # noqa: F401  (split_documents: re-exported, the data tests read it here)
+from trainer.corpus import (
     embedded_docs,
     hub_docs,
     local_docs,

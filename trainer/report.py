@@ -34,7 +34,7 @@ import yaml
 
 from trainer import metrics as M
 from trainer.loss import LOSSES
-from trainer.plots import pareto_front, plot_losses, plot_pareto, point_positions  # noqa: F401  (the tests read them here)
+from trainer.plots import plot_losses, plot_pareto
 from trainer.policies import POLICIES
 from trainer.text import markdown_table as _table
 

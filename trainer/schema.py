@@ -244,6 +244,12 @@ def describe_user_error(e: BaseException) -> str | None:
         cause = e.__cause__
         if "Could not override" in head or (cause is not None and "not in struct" in str(cause)):
             key = head.split("'")[1] if "'" in head else head
+            from trainer.policies import moved_parameter
+
+            moved = moved_parameter(key.removeprefix("policy.")) if key.startswith("policy.") else None
+            if moved:  # per_block's and auto's treatment parameters sit under policy.params
+                return (f"unknown config key {key!r} for this policy: it is a treatment's own parameter, which "
+                        f"per_block and auto take as {moved}")  # fmt: skip
             return f"unknown config key {key!r}; see the valid keys with: python train.py --cfg job"
         if cause is not None:
             return f"{head}: {str(cause).splitlines()[0]}"

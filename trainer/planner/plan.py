@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -88,8 +89,6 @@ def default_optimizer(weight_decay: float = 0.1) -> Callable[[list[dict[str, Any
 def head_candidates(module: Any, cfg: Any) -> dict[str, Callable[[Batch], torch.Tensor]]:
     """{loss head: the module's training forward under it}: the module's configured head first, then each of
     `cfg.loss_candidates` (auto's) with the same chunk size."""
-    from dataclasses import replace
-
     configured = module.loss_config
     names = [configured.name] + [n for n in (cfg.loss_candidates or []) if n != configured.name]
     return {name: functools.partial(module.loss_of, loss=replace(configured, name=name)) for name in names}

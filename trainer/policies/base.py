@@ -214,6 +214,13 @@ def register_callback(policy: str) -> Callable[[Any], Any]:
     return add
 
 
+def moved_parameter(key: str) -> str | None:
+    """Where a treatment's parameter goes when it is given to a composite policy at its top level
+    (`policy.save_ops` under per_block or auto): "policy.params.op_sac.save_ops", or None for any other key."""
+    owners = [t for t in treatments() if key in {f.name for f in fields(POLICIES[t].Config)} - {"name"}]
+    return " or ".join(f"policy.params.{t}.{key}" for t in owners) or None
+
+
 def config_node(cls: type[Policy]) -> DictConfig:
     """The Hydra schema of a policy's config (conf/policy/<name>.yaml extends it, so yaml repeats no default): its
     Config's fields, its name, and for a composite every treatment's own parameters under `params`."""
@@ -266,6 +273,8 @@ def build_policy(cfg: Mapping[str, Any] | DictConfig | PolicyConfig | str) -> Po
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         msg = str(e).splitlines()[0]
+        if issubclass(cls.Config, CompositeConfig) and (moved := moved_parameter(key)):
+            raise PolicyError(f"policy {name}: policy.{key} is a treatment's parameter here; give {moved}") from None
         raise PolicyError(f"policy {name}: {('policy.' + key + ': ') if key else ''}{msg}") from None
     except ValueError as e:  # a Config.__post_init__ check
         raise PolicyError(f"policy {name}: {e}") from None
