@@ -51,6 +51,7 @@ CHARTS: dict[str, dict[str, tuple[str, ...]]] = {
         ),
         "CUDA peak allocated / reserved (MiB)": (M.PEAK_ALLOCATED, M.PEAK_RESERVED),
         "CUDA allocator retries": (M.ALLOC_RETRIES,),
+        "pinned host memory in use at most (MiB; policy=offload's copies)": (M.HOST_PINNED_PEAK,),
     },
     "time": {
         "optimizer step (ms)": (M.STEP_MS,),

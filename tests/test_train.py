@@ -18,7 +18,9 @@ STEP_TAGS = {
     "train/loss", "train/lr", "train/grad_norm", "time/step_ms", "throughput/tokens_per_s",
     "memory/activation_peak_mib", "memory/peak_total_mib",
 }  # fmt: skip
-CUDA_TAGS = {"memory/peak_allocated_mib", "memory/peak_reserved_mib", "memory/alloc_retries"}
+CUDA_TAGS = {
+    "memory/peak_allocated_mib", "memory/peak_reserved_mib", "memory/alloc_retries", "memory/host_pinned_peak_mib",
+}  # fmt: skip
 SUMMARY_KEYS = {
     "status", "policy", "accum", "precision", "model", "batch_size", "seq_len", "median_step_ms", "tokens_per_s",
     "peak_allocated_mib", "activation_peak_mib", "peak_total_mib", "final_train_loss", "final_val_loss",

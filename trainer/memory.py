@@ -451,9 +451,12 @@ def cuda_memory_counters(device: int | str | torch.device | None = None) -> dict
         # the memory limit even if it never OOMs.
         "alloc_retries": float(stats.get("num_alloc_retries", 0)),
         "num_ooms": float(stats.get("num_ooms", 0)),
+        # The pinned host allocator's bytes handed out at most (policy=offload's copies), not its cache.
+        "host_pinned_peak_mib": torch.cuda.host_memory_stats().get("active_bytes.peak", 0) / MIB,
     }
 
 
 def reset_cuda_peaks(device: int | str | torch.device | None = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_host_memory_stats()

@@ -18,9 +18,11 @@ PEAK_TOTAL = "memory/peak_total_mib"
 PEAK_ALLOCATED = "memory/peak_allocated_mib"
 PEAK_RESERVED = "memory/peak_reserved_mib"
 ALLOC_RETRIES = "memory/alloc_retries"
+HOST_PINNED_PEAK = "memory/host_pinned_peak_mib"  # pinned host bytes in use at most (policy=offload's copies)
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
-CUDA_TAGS = (PEAK_ALLOCATED, PEAK_RESERVED, ALLOC_RETRIES)  # logged only where there is a CUDA device
+# logged only where there is a CUDA device
+CUDA_TAGS = (PEAK_ALLOCATED, PEAK_RESERVED, ALLOC_RETRIES, HOST_PINNED_PEAK)
 
 # policy=auto (callbacks/planner.py), logged when it plans, not per step: two scalars and the plan as text.
 AUTO_BUDGET = "auto/budget_mib"
@@ -42,6 +44,7 @@ ACTIVATION_PEAK_KEY = "activation_peak_mib"
 PEAK_TOTAL_KEY = "peak_total_mib"
 PEAK_ALLOCATED_KEY = "peak_allocated_mib"
 PEAK_RESERVED_KEY = "peak_reserved_mib"
+HOST_PINNED_PEAK_KEY = "host_pinned_peak_mib"
 FINAL_TRAIN_LOSS = "final_train_loss"
 FINAL_VAL_LOSS = "final_val_loss"
 FINAL_VAL_PPL = "final_val_ppl"
@@ -91,6 +94,7 @@ FROM_TAG = {
     PEAK_TOTAL_KEY: (PEAK_TOTAL, "max"),
     PEAK_ALLOCATED_KEY: (PEAK_ALLOCATED, "max"),
     PEAK_RESERVED_KEY: (PEAK_RESERVED, "max"),
+    HOST_PINNED_PEAK_KEY: (HOST_PINNED_PEAK, "max"),
     MEDIAN_STEP_MS: (STEP_MS, "median"),
     TOKENS_PER_S_KEY: (TOKENS_PER_S, "median"),
     FINAL_TRAIN_LOSS: (TRAIN_LOSS, "last"),

@@ -56,6 +56,7 @@ class StepFigures:
     after_forward: dict[str, int] = field(default_factory=dict)
     head_peak: int = 0  # the most bytes the head (its forward and backward) held at once
     peak_phase: str = ""  # the label of the op that set the activation peak
+    total_phase: str = ""  # the label of the op that set the step's peak
 
 
 class StepMeter:
@@ -161,6 +162,8 @@ class StepMeter:
             if act_at:
                 record = window.events[act_at - 1][0]
                 figures.peak_phase = window.labels.get(record, "other")
+            if total_at:
+                figures.total_phase = window.labels.get(window.events[total_at - 1][0], "other")
         return figures
 
 

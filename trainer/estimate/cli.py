@@ -4,32 +4,28 @@ a planned policy first."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from trainer import step as step_
+from trainer.errors import UserError
+from trainer.estimate.advise import Advice, advise, where_the_peak_is
+from trainer.estimate.fit import FitTable, fit_table
 from trainer.estimate.plan import planner_plan
-from trainer.estimate.session import Estimate, Session, estimate_device, measure, open_session
+from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import _quiet_policy_notices, estimate_tables
-from trainer.policies import Plan, build_policy
+from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
+from trainer.policies import POLICIES, Plan, build_policy
 from trainer.rundir import write_json_atomic
 from trainer.schema import OneLineParser, compose_config
 from trainer.text import MIB, markdown_table
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
 
 def parse_bytes(text: str) -> int:
     """'40GB' (10⁹ bytes), '40GiB' (2³⁰), '40000MiB', '1.5TB', '123456' (bytes); case-insensitive."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"--budget {text!r}: write a positive size such as 40GB, 40GiB or 40000MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return parse_size(text, "--budget")
 
 
 def _mib(n: float) -> str:
@@ -115,12 +111,15 @@ def _memory(est: Estimate) -> list[str]:
         ("gradients", c["gradients"], "(last step's alive through the forward; zero_grad after it)"),
         ("activation peak of one micro-batch", est.activation_bytes, "(memory/activation_peak_mib), of which:"),
     ]
-    rows += [(f"  {label}", v, "") for label, v in _grouped(est.breakdown).items()]
+    rows += [(f"  {label}", v, "") for label, v in group_labels(est.breakdown).items()]
     rows += [
         ("head and loss at its largest", est.head_bytes, f"(loss={est.loss}: final norm, logits, loss)"),
         ("total: the step's peak", est.peak_bytes, "(memory/peak_total_mib), of which:"),
     ]
-    rows += [(f"  {label}", v, "") for label, v in _grouped(est.at_step_peak).items()]
+    rows += [(f"  {label}", v, "") for label, v in group_labels(est.at_step_peak).items()]
+    if est.host_pinned_bytes:
+        rows.append(("pinned host memory at most (off the device)", est.host_pinned_bytes,
+                     "(memory/host_pinned_peak_mib: offload's copies)"))  # fmt: skip
     lines = ["", f"memory, policy={est.policy} (plan {est.plan}), MiB:"]
     lines += [f"  {label:<44}{_mib(v):>12}  {note}".rstrip() for label, v, note in rows]
     per = est.kept_per_layer
@@ -139,10 +138,13 @@ def _policy_table(est: Estimate, table: dict[str, Estimate | str], base: float, 
             continue
         fits = "—" if budget is None else ("yes" if e.fits(budget) else "no")
         rows.append((f"{name}{star}", _short(e.plan), _mib(e.activation_bytes), _mib(e.head_bytes),
-                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", fits))  # fmt: skip
+                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", fits, _mib(e.host_pinned_bytes)))  # fmt: skip
     fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
-    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", fits_head)
-    return markdown_table(header, rows, "llrrrrl")
+    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", fits_head,
+              "host pinned MiB")  # fmt: skip
+    if not any(isinstance(e, Estimate) and e.host_pinned_bytes for e in table.values()):
+        header, rows = header[:-1], [r[:-1] for r in rows]  # offload on a CPU: nothing leaves the device
+    return markdown_table(header, rows, "llrrrrlr")
 
 
 def _loss_table(est: Estimate, losses: dict[str, Estimate | str]) -> str:
@@ -159,24 +161,47 @@ def _loss_table(est: Estimate, losses: dict[str, Estimate | str]) -> str:
     return markdown_table(header, rows, "lrrrr")
 
 
-def _grouped(by_label: dict[str, int]) -> dict[str, int]:
-    """Labels for the report: the layers' forward bytes summed, the rest as they are."""
-    out: dict[str, int] = {}
-    names = {
-        step_.PARAMETERS: "parameters and buffers",
-        step_.OPTIMIZER_STATE: "AdamW state",
-        step_.LAST_GRADIENTS: "last step's gradients",
-        step_.GRADIENTS: "this step's gradients",
-        step_.EMBEDDING: "embedding (forward)",
-        step_.HEAD: "head and loss (forward and backward)",
-        step_.BACKWARD: "backward: gradients in flight, recompute",
-        step_.LATER: "later micro-batches",
-        step_.OPTIMIZER: "optimizer step temporaries",
-    }
-    for label, v in by_label.items():
-        key = "layers' forward (kept for backward)" if label.startswith("layer ") else names.get(label, label)
-        out[key] = out.get(key, 0) + v
-    return {k: v for k, v in out.items() if v}
+def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: Sequence[str]) -> str:
+    """Where the peak is, then the priced changes: those that fit first, by compute."""
+    rows = [(a.change, "" if a.peak_bytes is None else _mib(a.peak_bytes),
+             "" if a.flops_ratio is None else f"{a.flops_ratio:.3f}", "yes" if a.fits else "no",
+             f"`{a.command(overrides)}`" + (f" ({a.note})" if a.note else "")) for a in advice]  # fmt: skip
+    header = ("change", "peak per device MiB", "FLOPs × configured", f"fits {_size(budget)}?", "command")
+    fitting = sum(a.fits for a in advice)
+    return "\n".join([
+        f"advice for policy={est.policy}, loss={est.loss} at {_size(budget)}: {where_the_peak_is(est)}",
+        f"{fitting} of {len(advice)} changes fit:" if fitting else f"none of {len(advice)} changes fits alone:",
+        "",
+        markdown_table(header, rows, "lrrll"),
+    ])  # fmt: skip
+
+
+def render_fit(fit: FitTable) -> str:
+    """GPUs down, policies across: the smallest FSDP2 world size whose one rank fits."""
+    policies = list(dict.fromkeys(c.policy for c in fit.cells))
+    gpus = list(dict.fromkeys(c.gpu for c in fit.cells))
+    by = {(c.gpu, c.policy): c for c in fit.cells}
+    rows = []
+    for g in gpus:
+        first = by[(g, policies[0])]
+        label = f"{g} ({first.memory_bytes / 2**30:,.1f} GiB, {first.usable_bytes / 2**30:,.1f} usable)"
+        cells = []
+        for p in policies:
+            c = by[(g, p)]
+            cells.append("n/a" if p in fit.refusals else "—" if c.world_size is None else
+                         f"{c.world_size}" + ("" if c.estimated else " (≤)"))  # fmt: skip
+        rows.append((label, *cells))
+    lines = [
+        f"where it fits (loss={fit.loss}): the smallest FSDP2 world size at which one rank's whole-step peak fits "
+        f"the GPU's memory less the reserve ({fit.reserve.describe()}); — does not fit at ≤ {fit.max_world} ranks",
+        "",
+        markdown_table(("GPU", *policies), rows, "l" + "r" * len(policies)),
+        "",
+        f"world sizes estimated directly: {', '.join(map(str, fit.worlds_estimated))}; the others lie between "
+        "two estimates' bounds (trainer/estimate/fit.py)",
+    ]
+    lines += [f"n/a {n}: {why}" for n, why in fit.refusals.items()]
+    return "\n".join(lines)
 
 
 def to_json(
@@ -238,7 +263,40 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument("--policies", default="all", choices=("all", "configured"),
                         help="'all' (default: every registered policy) or 'configured'")  # fmt: skip
+    parser.add_argument(
+        "--advise", action="store_true", help="with --budget: the changes that fit it, priced (shown anyway on a miss)"
+    )
+    parser.add_argument(
+        "--fit", action="store_true", help="the smallest FSDP2 world size per catalogue GPU and policy (device cuda)"
+    )
+    parser.add_argument(
+        "--reserve", default=DEFAULT_RESERVE, help=f"--fit: memory a GPU keeps free (default {DEFAULT_RESERVE})"
+    )
+    parser.add_argument(
+        "--catalogue", action="append", metavar="PATH", help="--fit: more GPUs: a yaml file or a folder of them"
+    )
+    parser.add_argument(
+        "--max-world", type=int, default=64, metavar="N", help="the largest FSDP2 world size tried (default 64)"
+    )
     return parser
+
+
+def _extras(
+    args: Any, session: Session, est: Estimate, table: dict[str, Estimate | str], losses: dict[str, Estimate | str],
+    budget: int | None, plans: dict[str, Plan], gpus: list[Gpu], reserve: Reserve | None,
+) -> tuple[list[Advice] | None, FitTable | None]:  # fmt: skip
+    """The advice (a budget not met, or --advise) and the fit table (--fit), on the open session."""
+    workers = min(2, os.cpu_count() or 1)
+    advice = None
+    if budget is not None and (args.advise or not est.fits(budget)):
+        advice = advise(session, est, table, losses, budget, args.max_world, workers)
+    fit = None
+    if args.fit:
+        assert reserve is not None
+        names = [n for n, e in table.items() if isinstance(e, Estimate) or not POLICIES[n].planned_first]
+        fit = fit_table(session.config, session.device, gpus, reserve, names, plans, args.max_world, workers,
+                        session=session, known={session.world: table})  # fmt: skip
+    return advice, fit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,16 +307,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         budget = None if args.budget is None else parse_bytes(args.budget)
+        if args.advise and budget is None:
+            raise ValueError("--advise prices changes against a budget: give --budget too, e.g. --budget 80GB")
+        if args.max_world < 2:
+            raise ValueError(f"--max-world {args.max_world}: give 2 or more")
+        reserve = Reserve.parse(args.reserve) if args.fit else None
+        gpus = list(load_catalogue(args.catalogue).values()) if args.fit else []
         if args.json_path:
             _check_writable(Path(args.json_path))  # before the work, not after it
-    except ValueError as e:
+    except (ValueError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     session: Session | None = None
     try:
         config = compose_config(args.overrides)
         policy = build_policy(config.policy)
-        device = estimate_device(config, args.device)
+        device = estimate_device(config, args.device or ("cuda" if args.fit else None))
         plans: dict[str, Plan] = {}
         preface = ""
         if policy.planned_first:
@@ -289,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         est = table[policy.cfg.name]
         assert isinstance(est, Estimate)
+        advice, fit = _extras(args, session, est, table, losses, budget, plans, gpus, reserve)
     except Exception as e:
         line = describe_user_error(e)
         if line is None:
@@ -301,11 +366,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if preface:
         print(preface.rstrip() + "\n")
     print(render(session, est, table, losses, budget))
+    if advice is not None:
+        assert budget is not None
+        print("\n" + render_advice(est, advice, budget, args.overrides))
+    if fit is not None:
+        print("\n" + render_fit(fit))
     if args.json_path:
         path = Path(args.json_path)
+        doc = to_json(session, est, table, losses, budget)
+        if advice is not None:
+            doc["advice"] = {"peak": where_the_peak_is(est), "rows": [a.to_json(args.overrides) for a in advice]}
+        if fit is not None:
+            doc["fit"] = fit.to_json()
+            doc["fit_reserve"] = fit.reserve.describe()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, to_json(session, est, table, losses, budget))
+            write_json_atomic(path, doc)
         except OSError as e:
             print(f"error: --json {path}: cannot write it ({e.strerror or e}); the estimate is printed above",
                   file=sys.stderr)  # fmt: skip

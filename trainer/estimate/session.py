@@ -25,6 +25,7 @@ from trainer import precision as precision_
 from trainer import step as step_
 from trainer.loss import LossConfig
 from trainer.policies import Policy, apply_policy, build_policy
+from trainer.policies.offload import HostLedger, offload_to_ledger
 from trainer.schema import Config, ConfigError, model_vocab
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class Estimate:
     peak_at: str = ""
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
+    total_peak_at: str = ""  # what the op that set the step's peak belongs to ("layer 3", "backward", "optimizer")
+    host_pinned_bytes: int = 0  # offload's copies in pinned host memory at most (per rank; --device cuda)
 
     @property
     def flops(self) -> int:
@@ -159,6 +162,12 @@ class Session:
     rules: Any
     notes: list[str]
     world: int = 1  # data-parallel ranks (trainer=fsdp2): the figures are one rank's
+    host: HostLedger = field(default_factory=HostLedger)  # offload's host copies (device cuda), per measure
+
+    @property
+    def offloads(self) -> bool:
+        """Offload moves activations off the estimated device: a CUDA device (a CPU run keeps them where they are)."""
+        return self.device == "cuda"
 
     def close(self) -> None:
         """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own)."""
@@ -167,7 +176,8 @@ class Session:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        with _one_line_when_unrunnable(), self.fake, self.rules, _real_semantics(self.config):
+        offload = offload_to_ledger(self.host) if self.offloads else contextlib.nullcontext()
+        with _one_line_when_unrunnable(), self.fake, self.rules, _real_semantics(self.config), offload:
             yield
 
     def step(self, meter: step_.StepMeter | None = None, on_forward: Callable[[], None] | None = None) -> None:
@@ -397,6 +407,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     configured_loss = module.loss_config
     if loss is not None:
         module.loss_config = loss
+    session.host = HostLedger()
     try:
         with session.active():
             apply_policy(module.model, policy)
@@ -440,6 +451,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         peak_at=figures.peak_phase,
         micro_batches=accum,
         notes=notes,
+        total_peak_at=figures.total_phase,
+        host_pinned_bytes=session.host.peak,
     )
 
 
@@ -451,6 +464,26 @@ def _label_order(item: tuple[str, int]) -> tuple[int, int, str]:
     if label.startswith("layer "):
         return (1, int(label.split()[1]), label)
     return (2, 0, label)
+
+
+def group_labels(by_label: dict[str, int]) -> dict[str, int]:
+    """Labels for the report: the layers' forward bytes summed, the rest as they are."""
+    out: dict[str, int] = {}
+    names = {
+        step_.PARAMETERS: "parameters and buffers",
+        step_.OPTIMIZER_STATE: "AdamW state",
+        step_.LAST_GRADIENTS: "last step's gradients",
+        step_.GRADIENTS: "this step's gradients",
+        step_.EMBEDDING: "embedding (forward)",
+        step_.HEAD: "head and loss (forward and backward)",
+        step_.BACKWARD: "backward: gradients in flight, recompute",
+        step_.LATER: "later micro-batches",
+        step_.OPTIMIZER: "optimizer step temporaries",
+    }
+    for label, v in by_label.items():
+        key = "layers' forward (kept for backward)" if label.startswith("layer ") else names.get(label, label)
+        out[key] = out.get(key, 0) + v
+    return {k: v for k, v in out.items() if v}
 
 
 def _components(session: Session, figures: step_.StepFigures) -> dict[str, int]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from trainer.estimate.session import Estimate, Session, measure, open_session
@@ -57,10 +56,11 @@ def estimate_tables(
     losses: bool = True,
     policies: bool = True,
     first: Callable[[], Estimate] | None = None,
+    only: Collection[str] | None = None,
 ) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
     """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
     policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
-    are started (so their start-up overlaps it); it stands for `known`.
+    are started (so their start-up overlaps it); it stands for `known`. `only`: these policies, no others.
 
     A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
     offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
@@ -73,7 +73,7 @@ def estimate_tables(
     tasks: list[Task] = []
     own_policy = known.policy if known is not None else configured if first is not None else None
     own_loss = known.loss if known is not None else config.loss.name if first is not None else None
-    for name in POLICIES:
+    for name in POLICIES if only is None else [n for n in POLICIES if n in only]:
         if name == own_policy:
             if known is not None:
                 table[name] = known
@@ -119,6 +119,15 @@ def estimate_tables(
     return ({n: table[n] for n in POLICIES if n in table}, {n: heads[n] for n in LOSSES if n in heads})
 
 
+def estimate_policies(
+    session: Session, names: Collection[str], plans: dict[str, Plan] | None = None, workers: int = 1
+) -> dict[str, Estimate | str]:
+    """The policies `names` on `session` with its configured head (`estimate_all`'s parameters and refusals)."""
+    table, _ = estimate_tables(session.config, session.device, plans, session=session, workers=workers, losses=False,
+                               only=names)  # fmt: skip
+    return table
+
+
 def _run_tasks(
     config: Config,
     device: str,
@@ -132,7 +141,7 @@ def _run_tasks(
     own = session is None
     session = session or open_session(config, device, autocast_cache)
     configured = build_policy(config.policy)
-    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
+    fake_cpu = not session.offloads
     measured: dict[tuple[str, str], Estimate] = {}
     if known is not None:
         measured[(_same_run(known.plan, fake_cpu), known.loss)] = known
@@ -169,7 +178,7 @@ def _split(
     about a step's time starting up."""
     if len(tasks) <= 2:
         return [tasks]
-    fake_cpu = not (session.device == "cuda" and torch.cuda.is_available())
+    fake_cpu = not session.offloads
     configured = build_policy(config.policy)
     groups: dict[Any, list[Task]] = {}
     for name, loss in tasks:
@@ -192,9 +201,9 @@ def _split(
     return [s for s in shares if s] if shares[0] else [tasks]
 
 
-def _same_run(plan: str, fake_cpu: bool) -> str:
-    """Plans that run the same step: on CPU kernels `offload` moves nothing, so it is `none`."""
-    return plan.replace(":offload", ":none") if fake_cpu else plan
+def _same_run(plan: str, on_cpu: bool) -> str:
+    """Plans that run the same step: estimated for a CPU, `offload` moves nothing, so it is `none`."""
+    return plan.replace(":offload", ":none") if on_cpu else plan
 
 
 @contextlib.contextmanager

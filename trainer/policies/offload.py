@@ -2,13 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+
+class HostLedger:
+    """Pinned host bytes an estimate's offload holds: now and at most. Under fake tensors on the CPU standing for a
+    CUDA device (the estimator's `--device cuda`) nothing can be copied to a host, so the offloader frees the device
+    tensor, counts its bytes here and brings back an empty one of the same layout when backward asks: the device
+    and the host hold what they would on the GPU, at the same moments; only the values (which fake tensors lack)
+    are not moved."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def release(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+
+_LEDGER: contextvars.ContextVar[HostLedger | None] = contextvars.ContextVar("offload_ledger", default=None)
+
+
+@contextlib.contextmanager
+def offload_to_ledger(ledger: HostLedger) -> Iterator[HostLedger]:
+    """Within: offload treats every tensor as a device tensor and its host copies as `ledger`'s bytes."""
+    token = _LEDGER.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _LEDGER.reset(token)
 
 
 class ActivationOffloader:
@@ -34,7 +69,7 @@ class ActivationOffloader:
         return self._streams
 
     def run(self, segment: int, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or x.device.type != "cuda":
+        if not torch.is_grad_enabled() or (x.device.type != "cuda" and _LEDGER.get() is None):
             return fn(x)
         self._stash[segment] = []  # entries of an earlier forward left here are fetched one by one in _unpack
         with torch.autograd.graph.saved_tensors_hooks(
@@ -43,8 +78,11 @@ class ActivationOffloader:
             return fn(x)
 
     def _pack(self, segment: int, t: torch.Tensor) -> Any:
-        if t.device.type != "cuda" or t.nbytes < self.min_bytes or _is_parameter(t):
+        ledger = _LEDGER.get()
+        if (t.device.type != "cuda" and ledger is None) or t.nbytes < self.min_bytes or _is_parameter(t):
             return t
+        if ledger is not None:
+            return self._pack_to_ledger(segment, t, ledger)
         d2h, _ = self._side_streams()
         d2h.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(d2h):
@@ -60,6 +98,15 @@ class ActivationOffloader:
         self._stash.setdefault(segment, []).append(entry)
         return entry
 
+    def _pack_to_ledger(self, segment: int, t: torch.Tensor, ledger: HostLedger) -> _Offloaded:
+        """The estimate's pack: the bytes go to the ledger (until autograd drops the entry), the tensor is freed."""
+        entry = _Offloaded(host=None, device=t.device, copied=None, layout=(t.shape, t.stride(), t.dtype))
+        ledger.add(t.nbytes)
+        weakref.finalize(entry, ledger.release, t.nbytes)
+        self.bytes_offloaded += t.nbytes
+        self._stash.setdefault(segment, []).append(entry)
+        return entry
+
     def _unpack(self, segment: int, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Offloaded):
             return packed
@@ -71,6 +118,9 @@ class ActivationOffloader:
             self._fetch([packed])
         if self.prefetch and segment - 1 in self._stash:
             self._bring_back(segment - 1)
+        if packed.layout is not None:  # the estimate's: no streams
+            assert packed.on_device is not None
+            return packed.on_device
         compute = torch.cuda.current_stream(packed.device)
         compute.wait_event(packed.arrived)  # type: ignore[arg-type]
         t = packed.on_device
@@ -82,10 +132,15 @@ class ActivationOffloader:
         self._fetch(self._stash.pop(segment, []))
 
     def _fetch(self, entries: list[_Offloaded]) -> None:
+        for e in entries:
+            if e.on_device is None and e.layout is not None:
+                shape, stride, dtype = e.layout
+                e.on_device = torch.empty_strided(shape, stride, dtype=dtype, device=e.device)
+        entries = [e for e in entries if e.on_device is None]
+        if not entries:
+            return
         _, h2d = self._side_streams()
         for e in entries:
-            if e.on_device is not None:
-                continue
             h2d.wait_event(e.copied)
             with torch.cuda.stream(h2d):
                 e.on_device = e.host.to(e.device, non_blocking=True)
@@ -98,10 +153,11 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
-@dataclass
+@dataclass(eq=False)  # weakly referenced (the ledger's release), compared by identity
 class _Offloaded:
-    host: torch.Tensor
+    host: torch.Tensor | None
     device: torch.device
     copied: Any
     on_device: torch.Tensor | None = None
     arrived: Any = None
+    layout: tuple[torch.Size, tuple[int, ...], torch.dtype] | None = None  # an estimate's: no host copy

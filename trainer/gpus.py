@@ -1,0 +1,123 @@
+"""The GPU catalogue: one yaml per GPU in conf/gpu/ (memory, bandwidth, peak throughput per dtype, host link), which
+the estimator's fit table reads. A user adds a GPU by adding a file there, or names other files or folders with
+`--catalogue`; an entry of the same name replaces the shipped one.
+
+The reserve: what a GPU's memory holds besides the step's tensors, which no estimate on tensors can see: the CUDA
+context (about 0.5–1 GiB), cuBLAS/cuDNN workspaces, NCCL buffers and the caching allocator's fragmentation.
+`DEFAULT_RESERVE` keeps 1 GiB plus 5 % of the memory free; `--reserve` changes it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from trainer.errors import ConfigError
+from trainer.schema import CONF
+
+CATALOGUE = CONF / "gpu"
+DEFAULT_RESERVE = "1GiB+5%"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, what: str = "--budget") -> int:
+    """'40GB' (10⁹ bytes), '40GiB' (2³⁰), '40000MiB', '1.5TB', '123456' (bytes); case-insensitive."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{what} {text!r}: write a positive size such as 40GB, 40GiB or 40000MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _rate(text: str, what: str) -> float:
+    """'3.35TB/s' → bytes per second."""
+    size, slash, unit = str(text).partition("/")
+    if slash != "/" or unit.strip() != "s":
+        raise ValueError(f"{what} {text!r}: write a rate such as 3.35TB/s")
+    return float(parse_size(size, what))
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Memory a GPU keeps free of the step's tensors: a fixed part plus a fraction of its memory."""
+
+    fixed_bytes: int = 0
+    fraction: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Reserve:
+        """'1GiB+5%', '2GiB', '8%' or '0'."""
+        fixed, fraction = 0, 0.0
+        for part in str(text).replace(" ", "").split("+"):
+            if part.endswith("%"):
+                try:
+                    fraction += float(part[:-1]) / 100
+                except ValueError:
+                    fraction = -1.0
+            elif part not in ("0", ""):
+                fixed += parse_size(part, "--reserve")
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"--reserve {text!r}: write a size, a percentage or both, such as 1GiB+5%")
+        return cls(fixed, fraction)
+
+    def usable(self, memory_bytes: int) -> int:
+        return max(0, int(memory_bytes * (1 - self.fraction)) - self.fixed_bytes)
+
+    def describe(self) -> str:
+        parts = ([f"{self.fixed_bytes / 2**30:g} GiB"] if self.fixed_bytes else []) + (
+            [f"{self.fraction * 100:g} % of the memory"] if self.fraction else []
+        )
+        return " + ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One catalogue entry. `tflops`: dense peak per dtype (bf16, fp16, tf32, fp32); `host_link`: host↔device copy
+    rate in bytes per second."""
+
+    name: str
+    memory_bytes: int
+    bandwidth: float = 0.0  # bytes per second
+    tflops: dict[str, float] = field(default_factory=dict)
+    host_link: float = 0.0
+    source: str = ""
+
+
+def _entry(path: Path) -> Gpu:
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    if not isinstance(node, dict) or not {"name", "memory"} <= node.keys():
+        raise ConfigError(f"GPU catalogue entry {path}: needs at least `name` and `memory` (e.g. memory: 80GiB)")
+    try:
+        return Gpu(
+            name=str(node["name"]),
+            memory_bytes=parse_size(node["memory"], f"{path.name}: memory"),
+            bandwidth=_rate(node["bandwidth"], f"{path.name}: bandwidth") if "bandwidth" in node else 0.0,
+            tflops={str(k): float(v) for k, v in (node.get("tflops") or {}).items()},
+            host_link=_rate(node["host_link"], f"{path.name}: host_link") if "host_link" in node else 0.0,
+            source=str(path),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_catalogue(extra: list[str | Path] | None = None) -> dict[str, Gpu]:
+    """The shipped catalogue, then each of `extra` (a yaml file or a folder of them) over it, by name."""
+    gpus: dict[str, Gpu] = {}
+    for where in [CATALOGUE, *(Path(p) for p in extra or [])]:
+        if where.is_dir():
+            files = sorted(where.glob("*.yaml"))
+        elif where.is_file():
+            files = [where]
+        else:
+            raise ConfigError(f"--catalogue {where}: no such file or folder; give a yaml file or a folder of them")
+        for f in files:
+            gpu = _entry(f)
+            gpus[gpu.name] = gpu
+    return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
+
+
+__all__ = ["CATALOGUE", "DEFAULT_RESERVE", "Gpu", "Reserve", "load_catalogue", "parse_size"]
