@@ -28,7 +28,7 @@ from trainer.gpus import Gpu, Reserve
 from trainer.policies import Plan
 from trainer.schema import Config
 
-MARGIN = 0.005  # a bound this close to a capacity is not trusted: the world size is estimated directly
+MARGIN = 1e-4  # a bound this close to a capacity is not trusted (rounding): estimate that world size
 SHARDED = (step_.PARAMETERS, step_.OPTIMIZER_STATE, step_.LAST_GRADIENTS, step_.GRADIENTS, step_.OPTIMIZER)
 
 
