@@ -1,0 +1,5 @@
+import sys
+
+from trainer.export.cli import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""`python -m trainer.export --to TARGET <overrides>`: the configured plan and loss head in another trainer's own
+settings, how faithful each element is, and what the difference costs (the estimator's figures, side by side)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.estimate import Session, estimate_device, open_session, planner_plan
+from trainer.export import targets as _targets  # noqa: F401  (registers them)
+from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices
+from trainer.export.spec import TARGETS, Context, ExportRefused, Target, loss_text, target
+from trainer.policies import build_policy, resolve_plan
+from trainer.rundir import write_json_atomic
+from trainer.schema import Config, OneLineParser, compose_config, describe_user_error
+from trainer.text import MIB, markdown_table
+
+
+@dataclass
+class Answer:
+    """Everything the command prints and writes: the forms (one per target version shown), and what they are for."""
+
+    ctx: Context
+    forms: list[Form]
+    refused: dict[str, str]  # version key → its one line, where one version of several cannot express the plan
+    planner: str
+
+
+def build_context(config: Config, device: str) -> tuple[Context, Session, str]:
+    """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
+    the figures are measured on, and the plan as it runs on this model."""
+    policy = build_policy(config.policy)
+    planner = ""
+    if policy.planned_first:
+        if config.model.family != "hf":
+            with quiet_policy_notices():
+                policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line
+        plan, loss_name, planner = planner_plan(config, device)
+        policy.choose(plan.treatments)
+        if loss_name and loss_name != config.loss.name:
+            config.loss = replace(config.loss, name=loss_name)
+    session = open_session(config, device)
+    adapter = session.module.adapter
+    with quiet_policy_notices():
+        policy.check(adapter.n_layer, adapter.attention)
+        plan = resolve_plan(policy, adapter)
+    model = session.module.model
+    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates.append(float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0))
+    ctx = Context(config, policy, plan, config.loss, adapter.n_layer, adapter.attention, type(adapter.layers[0]),
+                  max(rates), session.device)  # fmt: skip
+    return ctx, session, planner
+
+
+def export(config: Config, to: str, version: str | None = None, device: str | None = None) -> Answer:
+    """The whole answer for one target (every version it shows, or the one asked for); ExportRefused when it
+    cannot express the plan at all."""
+    t = target(to)
+    chosen = t.selected(version)  # an unknown --target-version: one line, before any work
+    ctx, session, planner = build_context(config, estimate_device(config, device))
+    try:
+        measurer = Measurer(session, ctx)
+        forms: list[Form] = []
+        refused: dict[str, str] = {}
+        for v in chosen:
+            try:
+                forms.append(export_form(t, ctx, v, measurer, explicit=version is not None))
+            except ExportRefused as e:
+                if len(chosen) == 1:
+                    raise
+                refused[v.key] = str(e)
+        if not forms:
+            raise ExportRefused(next(iter(refused.values())))
+        if version is not None:
+            _refuse_if_another_version_has_it(t, ctx, forms[0])
+    finally:
+        session.close()
+    return Answer(ctx, forms, refused, planner)
+
+
+def _refuse_if_another_version_has_it(t: Target, ctx: Context, form: Form) -> None:
+    """--target-version V where V cannot write our plan exactly and another version of the target can: an option V
+    lacks, refused naming the version that has it."""
+    if all(r.status == EXACT for r in form.rows[:-1]):
+        return
+    from trainer.export.fidelity import rows
+
+    for other in t.versions:
+        if other.key == form.version.key:
+            continue
+        for c in t.candidates(ctx, other):
+            if c.does == ctx.plan and all(r.status == EXACT for r in rows(t, ctx, other, c, form.loss)[:-1]):
+                setting = [s for s in t.render(c, form.loss, ctx, other).splitlines() if not s.startswith("#")]
+                raise ExportRefused(
+                    f"--to {t.name} --target-version {form.version.key}: policy={ctx.policy.cfg.name} "
+                    f"({ctx.plan.describe()}) needs {c.label} ({'; '.join(setting)}), which {form.version.read_from} "
+                    f"lacks ({other.read_from} has it: --target-version {other.key})"
+                )
+
+
+# ----------------------------------------------------------------------------------------------------
+# What is printed and written.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def render(answer: Answer) -> str:
+    ctx = answer.ctx
+    name = ctx.config.model.name
+    lines = [
+        f"model {name}: {ctx.n_layer} layers ({ctx.layer_path}), attention={ctx.attention}; "
+        f"policy={ctx.policy.cfg.name}: {ctx.plan.describe()}; loss={loss_text(ctx.loss, ctx.chunk_tokens)}"
+    ]
+    if answer.planner:
+        lines.append("(policy=auto planned as the estimator plans it, on fake tensors; its explanation is in --json)")
+    for form in answer.forms:
+        lines += ["", *_form_lines(form, ctx.device)]
+    for key, why in answer.refused.items():
+        lines += ["", f"── {TARGETS[answer.forms[0].target].version(key).read_from}: not expressible: {why}"]
+    return "\n".join(lines)
+
+
+def _form_lines(form: Form, device: str) -> list[str]:
+    lines = [f"── export to {form.title}: {TARGETS[form.target].names(form.version)}", "", "settings:"]
+    lines += [f"  {s}" for s in form.text.splitlines()]
+    cells = [(r.element, r.status, r.how) for r in form.rows]
+    table = markdown_table(("element of our plan", "fidelity", "how"), cells)
+    lines += ["", f"fidelity: {form.verdict}", table]
+    if form.ours is not None and form.closest is not None:
+        lines += ["", f"ours beside the closest plan {form.target} can write ({form.chosen.label}): the estimator's "
+                      f"figures for one optimizer step (--device {device}):", _figures(form)]  # fmt: skip
+    return lines + [f"note: {n}" for n in form.notes]
+
+
+def _figures(form: Form) -> str:
+    assert form.ours is not None and form.closest is not None
+    base = form.ours.flops or 1
+
+    def row(who: str, f: Figures) -> tuple[str, ...]:
+        return (who, f.plan, f.loss, f"{f.activation_bytes / MIB:,.2f}", f"{f.peak_bytes / MIB:,.2f}",
+                f"{_flops(f.flops)} ({f.flops / base:.3f}×)")  # fmt: skip
+
+    header = ("plan", "runs", "loss", "activation peak MiB", "whole-step peak MiB", "FLOPs (× ours)")
+    return markdown_table(header, [row("ours", form.ours), row("closest", form.closest)], "lllrrr")
+
+
+def to_json(answer: Answer) -> dict[str, Any]:
+    ctx = answer.ctx
+
+    def one(form: Form) -> dict[str, Any]:
+        v, exact = form.version, form.verdict == EXACT
+        return {
+            "version": v.key,
+            "names_read_from": v.read_from,
+            "names": TARGETS[form.target].names(v),
+            "installed": {v.package: v.installed()} if v.package else {},
+            "settings": {**form.chosen.settings, **form.loss.settings},
+            "text": form.text,
+            "verdict": form.verdict,
+            "fidelity": [asdict(r) for r in form.rows],
+            "closest": None if exact else {"label": form.chosen.label, "runs": form.chosen.does.describe()},
+            "figures": None if form.ours is None else {"ours": asdict(form.ours), "closest": asdict(form.closest)},
+            "notes": form.notes,
+        }
+
+    forms = [one(f) for f in answer.forms]
+    return {
+        "target": answer.forms[0].target,
+        "model": ctx.config.model.name,
+        "n_layer": ctx.n_layer,
+        "attention": ctx.attention,
+        "device": ctx.device,
+        "policy": ctx.policy.cfg.name,
+        "plan": ctx.plan.describe(),
+        "loss": asdict(ctx.loss) | {"chunk_tokens_used": ctx.chunk_tokens},
+        "planner": answer.planner or None,
+        **forms[0],
+        "forms": forms,
+        "refused_versions": answer.refused,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="python -m trainer.export",
+        description="The configured activation policy and loss head as another trainer's own settings, with each "
+        "element's fidelity and, where it differs, the estimator's figures for ours and the closest it can write.",
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (policy=first_k policy.k=2)")
+    parser.add_argument("--to", required=True, metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
+    parser.add_argument("--target-version", metavar="V", help="one version of the target (default: its forms)")
+    parser.add_argument("--out", metavar="FILE", help="write the settings, in the target's form, here")
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the whole answer here as JSON")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if the run would use one, else cpu")
+    return parser
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    if path.is_dir():
+        raise ExportRefused(f"{flag} {path} is a folder; give a file path in it")
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise ExportRefused(f"{flag} {path}: cannot write under {folder}; give a path in a writable folder")
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text.rstrip("\n") + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)  # options may come before, between or after the overrides
+    try:
+        target(args.to)
+        outputs = [("--out", args.out), ("--json", args.json_path)]
+        for flag, path in outputs:
+            if path:
+                _check_writable(flag, Path(path))  # before the work, not after it
+        answer = export(compose_config(args.overrides), args.to, args.target_version, args.device)
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    print(render(answer))
+    try:
+        if args.out:
+            _write_text(Path(args.out), answer.forms[0].text)
+        if args.json_path:
+            path = Path(args.json_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, to_json(answer))
+    except OSError as e:
+        print(f"error: cannot write {e.filename or ''} ({e.strerror or e}); the settings are printed above",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return 0

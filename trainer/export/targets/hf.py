@@ -1,0 +1,200 @@
+"""Hugging Face transformers: the `TrainingArguments` keyword arguments its users pass to `Trainer`.
+
+Hugging Face checkpoints each decoder layer (a `GradientCheckpointingLayer`) through torch.utils.checkpoint with the
+kwargs given, forwarding any it does not know (so `context_fn`, torch's per-op policy, passes through). The names
+are read from the installed transformers: 5.24 calls them `activation_checkpointing` / `activation_checkpointing_kwargs`
+(`gradient_checkpointing*` are its deprecated aliases, the names of earlier releases) and takes `every_n_layers`
+(layers 0, n, 2n, … checkpointed) and `offload` (the checkpoint's saved input in pinned host memory) in the kwargs;
+an older transformers lacks them, and a plan that needs one is refused naming the release that has it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from trainer.export.spec import (
+    APPROX,
+    EXACT,
+    Candidate,
+    Context,
+    Element,
+    ExportRefused,
+    LossMap,
+    Status,
+    Target,
+    Version,
+    covering_nth,
+    every_nth,
+    every_nth_plan,
+    register,
+    uniform,
+)
+from trainer.policies import Plan
+
+READ_FROM = "5.24.0"  # where every_n_layers and offload were read; the names below when transformers is missing
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """What the installed transformers calls things and takes."""
+
+    version: str
+    installed: bool
+    flag: str
+    kwargs: str
+    every_n_layers: bool
+    offload: bool
+
+
+def hf_names() -> Names:
+    try:
+        import transformers
+        from transformers import PreTrainedModel, TrainingArguments
+    except ImportError:
+        return Names(READ_FROM, False, "activation_checkpointing", "activation_checkpointing_kwargs", True, True)
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    new = "activation_checkpointing" in fields
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    enable = enable or PreTrainedModel.gradient_checkpointing_enable
+    params = inspect.signature(enable).parameters
+    prefix = "activation" if new else "gradient"
+    return Names(transformers.__version__, True, f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs",
+                 "every_n_layers" in params, "offload" in params)  # fmt: skip
+
+
+LIGER = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False, "swiglu": False}
+
+
+@register
+class HuggingFace(Target):
+    name = "hf"
+    title = "Hugging Face transformers (TrainingArguments)"
+    versions = (Version("5", f"transformers {READ_FROM}", "transformers"),)
+
+    def names(self, v: Version) -> str:
+        names = hf_names()
+        if not names.installed:
+            return f"names for transformers {READ_FROM} (not installed here)"
+        return (f"names for transformers {names.version}, the one installed here (read from its TrainingArguments "
+                "and activation_checkpointing_enable)")  # fmt: skip
+
+    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+        names, n, plan = hf_names(), ctx.n_layer, ctx.plan
+        only = uniform(plan)
+        out: list[Candidate] = []
+        if only == "none":
+            out.append(Candidate("no checkpointing", {}, plan))
+        nth = every_nth(plan, lambda k: 0)
+        if nth:
+            self._needs(names, "every_n_layers", names.every_n_layers, ctx)
+            out.append(self._ckpt(names, n, {"every_n_layers": nth}, every_nth_plan(n, nth, lambda k: 0)))
+        if "offload" in plan.treatments:
+            if only == "offload":
+                self._needs(names, "offload", names.offload, ctx)
+            if names.offload:
+                full = Plan.uniform(n, "full")
+                c = self._ckpt(names, n, {"offload": True}, full)
+                out.append(Candidate("checkpoint and offload", c.settings, full, runs=Plan.uniform(n, "offload")))
+        if {"op_sac", "selective"} & set(plan.treatments):
+            context_fn = ctx.treatment("op_sac").context_fn  # type: ignore[attr-defined]
+            out.append(self._ckpt(names, n, {"context_fn": context_fn}, Plan.uniform(n, "op_sac"), "per op"))
+        out.append(self._ckpt(names, n, {}, Plan.uniform(n, "full")))
+        cover = covering_nth(plan, lambda k: 0) if names.every_n_layers else None
+        if cover and cover != nth:
+            out.append(self._ckpt(names, n, {"every_n_layers": cover}, every_nth_plan(n, cover, lambda k: 0)))
+        return out
+
+    def _needs(self, names: Names, option: str, has: bool, ctx: Context) -> None:
+        if not has:
+            raise ExportRefused(
+                f"--to hf: policy={ctx.policy.cfg.name} ({ctx.plan.describe()}) needs {names.kwargs} {option}, "
+                f"which transformers {names.version} lacks ({READ_FROM} has it); upgrade transformers, or export "
+                "policy=full"
+            )
+
+    @staticmethod
+    def _ckpt(names: Names, n: int, extra: dict[str, Any], plan: Plan, label: str = "") -> Candidate:
+        kwargs = {"use_reentrant": False, **extra}
+        what = label or ", ".join(f"{k}={v}" for k, v in extra.items()) or "every layer"
+        notes = []
+        if names.flag == "activation_checkpointing":
+            notes.append(
+                "gradient_checkpointing=True, gradient_checkpointing_kwargs={…} are this release's deprecated "
+                "aliases and the names of releases before it (which take no every_n_layers or offload)"
+            )
+        return Candidate(f"checkpointing ({what})", {names.flag: True, names.kwargs: kwargs}, plan, notes=notes)
+
+    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+        if e.treatment == "none":
+            return EXACT, "not checkpointed: every activation kept"
+        if e.treatment == "full" and e.group == 1:
+            nth = every_nth(ctx.plan, lambda k: 0)
+            which = f"every_n_layers={nth}: layers 0, {nth}, {2 * nth}, … checkpointed" if nth else "each layer"
+            return EXACT, f"{which} (torch.utils.checkpoint, use_reentrant=False, RNG state preserved as ours)"
+        if e.treatment == "op_sac" and e.group == 1:
+            return EXACT, ("context_fn: torch's selective-checkpoint contexts with our decision (policy.save_ops), "
+                           "passed through to torch.utils.checkpoint; a Python object, so this form fits a script, "
+                           "not a JSON or command-line config")  # fmt: skip
+        if e.treatment == "offload" and e.group == 1:
+            return APPROX, (
+                "offload=True checkpoints each layer and holds what the checkpoint keeps (its input) in "
+                "pinned host memory (torch's save_on_cpu); ours recomputes nothing and keeps every "
+                "activation in host memory. Measured here as full (the inputs' host copy not modelled)"
+            )
+        return None
+
+    def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
+        if e.treatment == "selective" and theirs == "op_sac" and e.group == 1:
+            return (
+                "no core-attention-only mode: a per-op context_fn (ours, saving policy.save_ops) recomputes the "
+                "attention core under eager attention (its bmm are not saved) and the pointwise ops too"
+            )
+        return None
+
+    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+        if e.group > 1:
+            return "Hugging Face checkpoints each decoder layer on its own call, never several layers as one region"
+        return ("Hugging Face checkpoints every layer or every n-th (every_n_layers: layers 0, n, 2n, …), one "
+                "context_fn for all")  # fmt: skip
+
+    def loss(self, ctx: Context, version: Version) -> LossMap:
+        if ctx.loss.name == "standard":
+            return LossMap(EXACT, "the model's own loss: cross-entropy on the whole logits", {}, "", "standard")
+        settings = {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER)}
+        why = ("Liger's fused linear cross-entropy (liger-kernel 0.8.5; Triton kernels, CUDA only): projection and "
+               "loss chunk by chunk, gradients made in the forward")  # fmt: skip
+        if ctx.loss.name == "chunked":
+            why += ", so nothing is recomputed (ours recomputes each chunk's logits); Liger sizes its own chunks"
+        return LossMap(APPROX, why, settings, "", ctx.loss.name)
+
+    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+        names = hf_names()
+        settings = {**chosen.settings, **loss.settings}
+        kwargs = settings.get(names.kwargs, {})
+        head: list[str] = []
+        if "context_fn" in kwargs:
+            save = ", ".join(f"torch.ops.{op}" for op in ctx.treatment("op_sac").cfg.save_ops)  # type: ignore[attr-defined]
+            head = ["import functools", "", "import torch",
+                    "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+                    "from transformers import TrainingArguments", "", f"SAVE = {{{save}}}  # policy.save_ops", "", "",
+                    "def save_listed(ctx, op, *args, **kwargs):",
+                    '    packet = getattr(op, "overloadpacket", op)',
+                    "    return CheckpointPolicy.MUST_SAVE if packet in SAVE else CheckpointPolicy.PREFER_RECOMPUTE",
+                    "", ""]  # fmt: skip
+        else:
+            head = ["from transformers import TrainingArguments", ""]
+        lines = ["training_args = TrainingArguments("]
+        for key, value in settings.items():
+            lines.append(f"    {key}={_py(value)},")
+        return "\n".join([*head, *lines, ")"])
+
+
+def _py(value: Any) -> str:
+    """A settings value as Python source (context_fn as the partial the script above defines)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}": {_py(v)}' for k, v in value.items()) + "}"
+    if callable(value):
+        return "functools.partial(create_selective_checkpoint_contexts, save_listed)"
+    return repr(value)
