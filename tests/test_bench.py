@@ -154,7 +154,7 @@ def test_policy_table_agrees_with_the_benchmark(micro_run: dict[str, Any], tmp_p
 
 
 def test_planner_bench_plans_fit_their_budgets() -> None:
-    out = bench_planner.run(["model=micro", "seq_len=32"], n_budgets=6, reps=1)
+    out = bench_planner.run(["model=micro", "seq_len=32", "precision=32-true"], n_budgets=6, reps=1)
     rows = out["rows"]
     assert len(rows) == 6 and all("result" in r for r in rows)
     assert list(out["predicted"]) == ["none", "selective", "op_sac", "full"]  # offload: no CUDA here

@@ -254,7 +254,7 @@ def test_solver_takes_the_transient_where_it_happens() -> None:
 # Real runs through trainer.run.train.
 # ----------------------------------------------------------------------------------------------------
 
-RUN = ["model.n_layer=3", "trainer.max_steps=6", "trainer.enable_checkpointing=false"]
+RUN = ["model.n_layer=3", "precision=32-true", "trainer.max_steps=6", "trainer.enable_checkpointing=false"]
 
 
 def run_auto(compose_cfg: Any, tmp_path: Path, name: str, *overrides: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -35,3 +35,11 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], alig
     marks = ["---:" if i < len(align) and align[i] == "r" else "---" for i in range(len(header))]
     body = [line(markdown_cell(c) for c in row) for row in rows]
     return "\n".join([line(markdown_cell(h) for h in header), line(marks), *body])
+
+
+def flops_text(n: float) -> str:
+    """A FLOP count in the largest unit under it: 32.36 GFLOP."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} FLOP"

@@ -20,7 +20,7 @@ from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_si
 from trainer.policies import POLICIES, Plan, build_policy
 from trainer.rundir import write_json_atomic
 from trainer.schema import OneLineParser, compose_config
-from trainer.text import MIB, markdown_table
+from trainer.text import MIB, flops_text, markdown_table
 
 
 def parse_bytes(text: str) -> int:
@@ -30,13 +30,6 @@ def parse_bytes(text: str) -> int:
 
 def _mib(n: float) -> str:
     return f"{n / MIB:,.1f}"
-
-
-def _flops(n: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} FLOP"
 
 
 def _size(n: int) -> str:
@@ -63,7 +56,7 @@ def render(
     lines += [
         "",
         f"compute per optimizer step ({est.micro_batches} micro-batch{'es' if est.micro_batches > 1 else ''}): "
-        f"forward {_flops(est.fwd_flops)}, backward {_flops(est.bwd_flops)} (recompute included) "
+        f"forward {flops_text(est.fwd_flops)}, backward {flops_text(est.bwd_flops)} (recompute included) "
         f"= {est.flops / base:.3f}× the FLOPs of `none`",
         "",
         _policy_table(est, table, base, budget),

@@ -19,7 +19,7 @@ from trainer.export.spec import TARGETS, Context, ExportRefused, Target, loss_te
 from trainer.policies import build_policy, resolve_plan
 from trainer.rundir import write_json_atomic
 from trainer.schema import Config, OneLineParser, compose_config, describe_user_error
-from trainer.text import MIB, markdown_table
+from trainer.text import MIB, flops_text, markdown_table
 
 
 @dataclass
@@ -109,13 +109,6 @@ def _refuse_if_another_version_has_it(t: Target, ctx: Context, form: Form) -> No
 # ----------------------------------------------------------------------------------------------------
 
 
-def _flops(n: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} FLOP"
-
-
 def render(answer: Answer) -> str:
     ctx = answer.ctx
     name = ctx.config.model.name
@@ -150,7 +143,7 @@ def _figures(form: Form) -> str:
 
     def row(who: str, f: Figures) -> tuple[str, ...]:
         return (who, f.plan, f.loss, f"{f.activation_bytes / MIB:,.2f}", f"{f.peak_bytes / MIB:,.2f}",
-                f"{_flops(f.flops)} ({f.flops / base:.3f}×)")  # fmt: skip
+                f"{flops_text(f.flops)} ({f.flops / base:.3f}×)")  # fmt: skip
 
     header = ("plan", "runs", "loss", "activation peak MiB", "whole-step peak MiB", "FLOPs (× ours)")
     return markdown_table(header, [row("ours", form.ours), row("closest", form.closest)], "lllrrr")
