@@ -70,7 +70,10 @@ def test_every_registered_policy_is_a_row_measured_as_the_estimator_predicts(mic
     assert none["step_ratio"] == 1.0 and none["flops_ratio"] == 1.0 and none["activation_ratio"] == 1.0
     assert full["plan"] == "[0-1]:full" and rows["per_block"]["plan"] == "[0]:full [1]:none"
     # full recomputes the layers' whole forward; at micro the head is a large part of the step
-    assert 1.2 < full["flops_ratio"] < 1.4 and full["activation_ratio"] < 0.5
+    # under bf16 autocast the layer inputs full keeps stay fp32 (the residual stream) while much of what none keeps
+    # is bf16, so full keeps a larger share of none's bytes (0.52 at this shape) than in fp32
+    kept = 0.5 if data["sections"][0]["precision"] == "32-true" else 0.55
+    assert 1.2 < full["flops_ratio"] < 1.4 and full["activation_ratio"] < kept
     assert 1.0 < sel["flops_ratio"] < full["flops_ratio"] and sel["activation_ratio"] < 1.0
     assert rows["offload"]["activation_mib"] == none["activation_mib"]  # no CUDA: a no-op move
 

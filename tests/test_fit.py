@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from tests.test_estimate import _cli
-from trainer.estimate import main, measure, open_session
+from trainer.estimate import estimate_all, main, measure, open_session
 from trainer.estimate.advise import advise, where_the_peak_is, with_overrides
 from trainer.estimate.fit import FitTable, at_world, fit_table, shard_unit
-from trainer.estimate.tables import estimate_policies
 from trainer.gpus import CATALOGUE, Gpu, Reserve, load_catalogue
 from trainer.policies import build_policy
 from trainer.schema import compose_config
@@ -31,7 +30,7 @@ def direct() -> dict[int, dict[str, int]]:
     for w in range(1, MAX_WORLD + 1):
         session = open_session(at_world(config, w), "cuda")
         try:
-            out = estimate_policies(session, POLICIES)
+            out = estimate_all(session.config, "cuda", session=session, only=POLICIES)
         finally:
             session.close()
         peaks[w] = {n: e.peak_bytes for n, e in out.items()}  # type: ignore[union-attr]
@@ -185,6 +184,20 @@ def test_cli_fit_and_advice_in_json(tmp_path: Path, direct: dict[int, dict[str, 
     rows = {a["change"]: a for a in doc["advice"]["rows"]}
     assert rows["FSDP2 on 4 ranks"]["fits"] and rows["FSDP2 on 4 ranks"]["peak_bytes"] == direct[4]["none"]
     assert rows["FSDP2 on 4 ranks"]["command"].startswith("python train.py model=llama-tiny")
+
+
+def test_advice_from_an_fsdp2_configuration_opens_the_other_world_sizes(
+    direct: dict[int, dict[str, int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A configuration already on 2 FSDP2 ranks: its session gives up its process group to the advice's own
+    estimates at other world sizes (one process holds one group)."""
+    budget = str(direct[4]["none"])
+    args = [*SHAPE, "trainer=fsdp2", "trainer.devices=2", "--device", "cuda", "--policies", "configured"]
+    assert main([*args, "--budget", budget, "--max-world", str(MAX_WORLD)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| FSDP2 on 4 ranks |"))
+    assert "| yes |" in row and "trainer=fsdp2 trainer.devices=4" in row
+    assert "| micro-batch 1 × accum 4 |" in out
 
 
 @pytest.mark.parametrize(

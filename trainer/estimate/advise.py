@@ -13,7 +13,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.estimate.fit import fit_table
 from trainer.estimate.plan import planner_plan
-from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session
+from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session, sharded_world
 from trainer.gpus import Gpu, Reserve
 from trainer.policies import POLICIES, build_policy
 from trainer.schema import Config
@@ -74,15 +74,16 @@ def advise(session: Session, est: Estimate, table: dict[str, Estimate | str], lo
     """Every priced change, those that fit first, each group ordered by compute."""
     config, base = session.config, est.flops
     rows: list[Advice] = []
+    usable = session.release_group()  # the changes below open sessions of their own, FSDP2's among them
     for name, e in table.items():
         if name != est.policy and isinstance(e, Estimate):
             rows.append(_row(f"policy={name}", (f"policy={name}",), e, base, budget))
     for name, e in losses.items():
         if name != est.loss and isinstance(e, Estimate):
             rows.append(_row(f"loss={name}", (f"loss={name}",), e, base, budget))
-    rows += _splits(config, session.device, est, base, budget)
-    rows += _auto(session, est, base, budget)
-    rows += _world(session, est, base, budget, max_world, workers)
+    rows += _splits(config, session.device, base, budget)
+    rows += _auto(config, session.device, usable, base, budget)
+    rows += _world(config, session.device, usable, est, base, budget, max_world, workers)
     return sorted(rows, key=lambda a: (not a.fits, a.flops_ratio or math.inf, a.peak_bytes or math.inf))
 
 
@@ -90,7 +91,7 @@ def _row(change: str, overrides: tuple[str, ...], e: Estimate, base: float, budg
     return Advice(change, overrides, e.peak_bytes, e.flops / base, e.peak_bytes <= budget, note)
 
 
-def _splits(config: Config, device: str, est: Estimate, base: float, budget: int) -> list[Advice]:
+def _splits(config: Config, device: str, base: float, budget: int) -> list[Advice]:
     """Smaller micro-batches, more of them: the same tokens per optimizer step, each estimated."""
     rows = []
     b, a = config.batch_size, config.accum
@@ -106,31 +107,37 @@ def _splits(config: Config, device: str, est: Estimate, base: float, budget: int
     return rows
 
 
-def _auto(session: Session, est: Estimate, base: float, budget: int) -> list[Advice]:
-    """policy=auto's plan at the budget, as the estimator plans it, on this session."""
+def _auto(config: Config, device: str, session: Session | None, base: float, budget: int) -> list[Advice]:
+    """policy=auto's plan at the budget, as the estimator plans it, measured on `session` (or a new one)."""
     budget_mib = math.floor(budget / MIB)
     policy = build_policy({"name": "auto", "budget_mib": budget_mib})
-    config = replace(session.config, policy=policy.cfg)
+    planned = replace(config, policy=policy.cfg)
     overrides = ("policy=auto", f"policy.budget_mib={budget_mib}")
     try:
-        plan, loss_name, _ = planner_plan(config, session.device)
+        plan, loss_name, _ = planner_plan(planned, device)
     except UserError as e:
         return [Advice("policy=auto at the budget", overrides, None, None, False, str(e).splitlines()[0])]
     policy.choose(plan.treatments)
-    loss = replace(session.config.loss, name=loss_name) if loss_name else None
-    e = measure(session, policy, loss)
-    if loss_name and loss_name != session.config.loss.name:
+    loss = replace(config.loss, name=loss_name) if loss_name else None
+    own = session or open_session(config, device)
+    try:
+        e = measure(own, policy, loss)
+    finally:
+        if own is not session:
+            own.close()
+    if loss_name and loss_name != config.loss.name:
         overrides += (f"loss={loss_name}",)
     return [_row(f"policy=auto: {plan.describe()}", overrides, e, base, budget)]
 
 
-def _world(session: Session, est: Estimate, base: float, budget: int, max_world: int, workers: int) -> list[Advice]:
+def _world(config: Config, device: str, session: Session | None, est: Estimate, base: float, budget: int,
+           max_world: int, workers: int) -> list[Advice]:  # fmt: skip
     """The smallest FSDP2 world size at which one rank of the configured policy and head fits the budget."""
     name = est.policy
     if POLICIES[name].planned_first:
         return []  # auto plans for its own budget on one device
-    table = fit_table(session.config, session.device, [Gpu("budget", budget)], Reserve(), [name], max_world=max_world,
-                      workers=workers, session=session, known={session.world: {name: est}})  # fmt: skip
+    table = fit_table(config, device, [Gpu("budget", budget)], Reserve(), [name], max_world=max_world,
+                      workers=workers, session=session, known={sharded_world(config): {name: est}})  # fmt: skip
     cell = table.cells[0]
     if cell.world_size is None:
         return [Advice(f"FSDP2 up to {max_world} ranks", ("trainer=fsdp2",), None, None, False,

@@ -37,6 +37,11 @@ def _size(n: int) -> str:
     return f"{n / 1e9:,.4g} GB" if n >= 10**9 else f"{n / MIB:,.1f} MiB"
 
 
+def _binary(n: int) -> str:
+    """A GPU's memory: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / MIB:,.1f} MiB"
+
+
 def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -177,7 +182,7 @@ def render_fit(fit: FitTable) -> str:
     rows = []
     for g in gpus:
         first = by[(g, policies[0])]
-        label = f"{g} ({first.memory_bytes / 2**30:,.1f} GiB, {first.usable_bytes / 2**30:,.1f} usable)"
+        label = f"{g} ({_binary(first.memory_bytes)}, {_binary(first.usable_bytes)} usable)"
         cells = []
         for p in policies:
             c = by[(g, p)]

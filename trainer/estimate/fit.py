@@ -23,7 +23,7 @@ from typing import Any
 
 from trainer import step as step_
 from trainer.estimate.session import Estimate, Session, open_session
-from trainer.estimate.tables import estimate_policies
+from trainer.estimate.tables import estimate_all
 from trainer.gpus import Gpu, Reserve
 from trainer.policies import Plan
 from trainer.schema import Config
@@ -169,7 +169,8 @@ class _Worlds:
                 self.shapes = _shapes(session)
             todo = [n for n in names if n not in known]
             return {**{n: known[n] for n in names if n in known},
-                    **estimate_policies(session, todo, self.plans, workers=self.workers)}  # fmt: skip
+                    **estimate_all(session.config, session.device, self.plans, session=session, workers=self.workers,
+                                   only=todo)}  # fmt: skip
         finally:
             if own is None:
                 session.close()
@@ -212,8 +213,9 @@ def fit_table(
 ) -> FitTable:
     """The fit table: `names` (policies, with the configured head) × `gpus`. Estimates at world 1, 2 and
     `max_world`, then at the world sizes the bounds leave open (at most `rounds` more rounds). `session`: one
-    already open for `config` (reused at its world size); `known`: estimates already made, by world size."""
-    worlds = _Worlds(config, device, plans or {}, workers, session, known or {})
+    already open for `config`, reused on one device and closed if sharded (its process group is needed for the
+    other world sizes); `known`: estimates already made, by world size."""
+    worlds = _Worlds(config, device, plans or {}, workers, session and session.release_group(), known or {})
     curves = {n: Curve() for n in names}
     usable = {g.name: reserve.usable(g.memory_bytes) for g in gpus}
     _record(curves, worlds, 1, names)

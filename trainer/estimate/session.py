@@ -169,10 +169,21 @@ class Session:
         """Offload moves activations off the estimated device: a CUDA device (a CPU run keeps them where they are)."""
         return self.device == "cuda"
 
+    closed: bool = False
+
     def close(self) -> None:
-        """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own)."""
-        if self.world > 1 and torch.distributed.is_initialized():
+        """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own). Its
+        figures stay readable; measuring on it again is not possible."""
+        if not self.closed and self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        self.closed = True
+
+    def release_group(self) -> Session | None:
+        """The session still usable alongside another world size's: itself on one device, else None (closed, so
+        its process group is free for the next FSDP2 estimate: one process holds one)."""
+        if self.world > 1:
+            self.close()
+        return None if self.closed else self
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

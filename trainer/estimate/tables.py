@@ -36,12 +36,13 @@ def estimate_all(
     session: Session | None = None,
     known: Estimate | None = None,
     workers: int = 1,
+    only: Collection[str] | None = None,
 ) -> dict[str, Estimate | str]:
-    """Every registered policy: the configured one with its parameters, the others with their conf defaults;
-    `plans` gives a policy's plan (the one a planner chose for `auto`). A policy that cannot run this model (e.g.
-    policy.k > n_layer) maps to its one-line reason; `auto` without a plan is left out. `known`: the configured
-    policy's estimate, already made. See `estimate_tables` for `workers`."""
-    table, _ = estimate_tables(config, device, plans, autocast_cache, session, known, workers, losses=False)
+    """Every registered policy (or those in `only`): the configured one with its parameters, the others with their
+    conf defaults; `plans` gives a policy's plan (the one a planner chose for `auto`). A policy that cannot run this
+    model (e.g. policy.k > n_layer) maps to its one-line reason; `auto` without a plan is left out. `known`: the
+    configured policy's estimate, already made. See `estimate_tables` for `workers`."""
+    table, _ = estimate_tables(config, device, plans, autocast_cache, session, known, workers, losses=False, only=only)
     return table
 
 
@@ -117,15 +118,6 @@ def estimate_tables(
         else:
             heads[loss] = value
     return ({n: table[n] for n in POLICIES if n in table}, {n: heads[n] for n in LOSSES if n in heads})
-
-
-def estimate_policies(
-    session: Session, names: Collection[str], plans: dict[str, Plan] | None = None, workers: int = 1
-) -> dict[str, Estimate | str]:
-    """The policies `names` on `session` with its configured head (`estimate_all`'s parameters and refusals)."""
-    table, _ = estimate_tables(session.config, session.device, plans, session=session, workers=workers, losses=False,
-                               only=names)  # fmt: skip
-    return table
 
 
 def _run_tasks(
