@@ -21,10 +21,10 @@ import torch
 
 from tests.conftest import CLI_ENV, ROOT
 from trainer.export import Answer, ExportRefused, export, main
-from trainer.export.spec import APPROX, EXACT, NOT
+from trainer.export.spec import APPROX, EXACT, NOT, elements
+from trainer.policies import Plan, Segment
 from trainer.schema import compose_config
 
-# Small shapes: a session and a measure take a fraction of a second.
 TINY = ["model=tiny", "model.n_embd=64", "model.n_head=2", "seq_len=16", "batch_size=2"]  # GPT, dropout 0.1
 LLAMA = ["model=llama-tiny", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2", "model.mlp_hidden=128",
          "seq_len=16", "batch_size=2"]  # fmt: skip
@@ -58,6 +58,9 @@ def test_megatron_every_k_is_uniform_and_says_how_its_last_group_differs() -> No
     assert odd.verdict == EXACT and odd.chosen.settings["recompute_num_layers"] == 4
     assert odd.rows[0].element == "blocks 0-5: full, groups of 4 (one checkpoint each)"
     assert "the last group has 2 layers" in odd.rows[0].how and "0.16.1" in odd.rows[0].how
+    # only a group ending the plan is the groups' shorter last one: a lone block after a group is its own element
+    mixed = Plan((Segment(0, 2, "full"), Segment(2, 3, "full"), Segment(3, 4, "full")))
+    assert [(e.start, e.stop, e.group) for e in elements(mixed)] == [(0, 2, 2), (2, 4, 1)]
 
 
 def test_megatron_op_sac_is_approximated_with_both_figures() -> None:
@@ -119,9 +122,7 @@ def test_torchtitan_every_second_block_is_exact_in_toml_and_main_is_refused_when
 def test_torchtitan_toml_parses_as_toml() -> None:
     tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
     toml_form = exported("torchtitan", *TINY, *EVERY_SECOND).forms[1]
-    assert tomllib.loads(toml_form.text) == {
-        "activation_checkpoint": toml_form.chosen.settings["activation_checkpoint"]
-    }
+    assert tomllib.loads(toml_form.text) == toml_form.chosen.settings  # its one key, activation_checkpoint
 
 
 def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
@@ -318,10 +319,9 @@ def _cfg(node: ast.AST) -> bool:
 def test_auto_exports_the_plan_the_planner_chose(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """policy=auto: planned as the estimator plans it (stubbed here; the planner's own tests are test_planner.py),
-    with the head it picked, and that plan exported."""
+    """policy=auto: planned as the estimator plans it (stubbed here: the planner has tests of its own), with the
+    head it picked, and that plan exported."""
     import trainer.export.cli as cli
-    from trainer.policies import Plan
 
     chosen = Plan.per_block(["full", "full", "none", "none", "none", "none"])
     monkeypatch.setattr(cli, "planner_plan", lambda config, device: (chosen, "chunked", "PLANNER TEXT"))
@@ -343,20 +343,25 @@ def test_auto_exports_the_plan_the_planner_chose(
         (["--to", "megatron", "policy=first_k", "policy.k=9"], "policy.k=9"),
         (["--to", "megatron", "no_such_key=1"], "no_such_key"),
         (["policy=full"], "--to"),  # required
+        (["--to", "megatron", "--out", str(ROOT)], "is a folder"),  # these replace the --out / --json given below
+        (["--to", "megatron", "--json", f"{__file__}/answer.json"], "cannot write under"),  # under a file
+        (["--to", "megatron", "--json", "/proc/answer.json"], "cannot write under /"),  # root too (not os.access)
+        (["--to", "megatron", "--out", "same.json", "--json", "same.json"], "both name same.json"),
     ],
 )
 def test_refusals_are_one_line_exit_2_and_write_nothing(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], fragment: str
 ) -> None:
+    """Refused before any work: nothing printed but the line."""
     out, js = tmp_path / "sub" / "settings.txt", tmp_path / "sub" / "answer.json"
     try:
-        code = main([*args, *TINY, "--out", str(out), "--json", str(js)])
+        code = main([*TINY, "--out", str(out), "--json", str(js), *args])
     except SystemExit as e:  # argparse's own refusals exit from inside main
         code = e.code  # type: ignore[assignment]
     assert code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
-    assert not (tmp_path / "sub").exists()
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and fragment in captured.err, captured
+    assert captured.out == "" and not (tmp_path / "sub").exists()
 
 
 def test_json_and_out_hold_the_answer(tmp_path: Path) -> None:

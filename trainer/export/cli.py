@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -13,9 +14,8 @@ from typing import Any
 import torch
 
 from trainer.estimate import Session, estimate_device, open_session, planner_plan
-from trainer.export import targets as _targets  # noqa: F401  (registers them)
-from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices
-from trainer.export.spec import TARGETS, Context, ExportRefused, Target, loss_text, target
+from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices, rows
+from trainer.export.spec import TARGETS, Context, ExportRefused, Target, settings_line, target
 from trainer.policies import build_policy, resolve_plan
 from trainer.rundir import write_json_atomic
 from trainer.schema import Config, OneLineParser, compose_config, describe_user_error
@@ -34,27 +34,31 @@ class Answer:
 
 def build_context(config: Config, device: str) -> tuple[Context, Session, str]:
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
-    the figures are measured on, and the plan as it runs on this model."""
+    the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
     policy = build_policy(config.policy)
+    with quiet_policy_notices():
+        if config.model.family != "hf" or policy.planned_first:  # refused before any work (policy.k=9, no budget)
+            policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
     planner = ""
     if policy.planned_first:
-        if config.model.family != "hf":
-            with quiet_policy_notices():
-                policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line
         plan, loss_name, planner = planner_plan(config, device)
         policy.choose(plan.treatments)
         if loss_name and loss_name != config.loss.name:
             config.loss = replace(config.loss, name=loss_name)
     session = open_session(config, device)
     adapter = session.module.adapter
-    with quiet_policy_notices():
-        policy.check(adapter.n_layer, adapter.attention)
-        plan = resolve_plan(policy, adapter)
+    try:
+        with quiet_policy_notices():
+            policy.check(adapter.n_layer, adapter.attention)  # an HF model's depth is known only now
+            plan = resolve_plan(policy, adapter)
+    except BaseException:
+        session.close()
+        raise
     model = session.module.model
     rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     rates.append(float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0))
-    ctx = Context(config, policy, plan, config.loss, adapter.n_layer, adapter.attention, type(adapter.layers[0]),
-                  max(rates), session.device)  # fmt: skip
+    ctx = Context(config, policy, plan, adapter.n_layer, adapter.attention, type(adapter.layers[0]), max(rates),
+                  session.device)  # fmt: skip
     return ctx, session, planner
 
 
@@ -89,17 +93,15 @@ def _refuse_if_another_version_has_it(t: Target, ctx: Context, form: Form) -> No
     lacks, refused naming the version that has it."""
     if all(r.status == EXACT for r in form.rows[:-1]):
         return
-    from trainer.export.fidelity import rows
-
     for other in t.versions:
         if other.key == form.version.key:
             continue
         for c in t.candidates(ctx, other):
             if c.does == ctx.plan and all(r.status == EXACT for r in rows(t, ctx, other, c, form.loss)[:-1]):
-                setting = [s for s in t.render(c, form.loss, ctx, other).splitlines() if not s.startswith("#")]
+                setting = settings_line(t.render(c, form.loss, ctx, other))
                 raise ExportRefused(
                     f"--to {t.name} --target-version {form.version.key}: policy={ctx.policy.cfg.name} "
-                    f"({ctx.plan.describe()}) needs {c.label} ({'; '.join(setting)}), which {form.version.read_from} "
+                    f"({ctx.plan.describe()}) needs {c.label} ({setting}), which {form.version.read_from} "
                     f"lacks ({other.read_from} has it: --target-version {other.key})"
                 )
 
@@ -114,26 +116,26 @@ def render(answer: Answer) -> str:
     name = ctx.config.model.name
     lines = [
         f"model {name}: {ctx.n_layer} layers ({ctx.layer_path}), attention={ctx.attention}; "
-        f"policy={ctx.policy.cfg.name}: {ctx.plan.describe()}; loss={loss_text(ctx.loss, ctx.chunk_tokens)}"
+        f"policy={ctx.policy.cfg.name}: {ctx.plan.describe()}; loss={ctx.loss_text}"
     ]
     if answer.planner:
         lines.append("(policy=auto planned as the estimator plans it, on fake tensors; its explanation is in --json)")
     for form in answer.forms:
         lines += ["", *_form_lines(form, ctx.device)]
     for key, why in answer.refused.items():
-        lines += ["", f"── {TARGETS[answer.forms[0].target].version(key).read_from}: not expressible: {why}"]
+        lines += ["", f"── {answer.forms[0].target.version(key).read_from}: not expressible: {why}"]
     return "\n".join(lines)
 
 
 def _form_lines(form: Form, device: str) -> list[str]:
-    lines = [f"── export to {form.title}: {TARGETS[form.target].names(form.version)}", "", "settings:"]
+    lines = [f"── export to {form.target.title}: {form.target.names(form.version)}", "", "settings:"]
     lines += [f"  {s}" for s in form.text.splitlines()]
     cells = [(r.element, r.status, r.how) for r in form.rows]
     table = markdown_table(("element of our plan", "fidelity", "how"), cells)
     lines += ["", f"fidelity: {form.verdict}", table]
     if form.ours is not None and form.closest is not None:
-        lines += ["", f"ours beside the closest plan {form.target} can write ({form.chosen.label}): the estimator's "
-                      f"figures for one optimizer step (--device {device}):", _figures(form)]  # fmt: skip
+        lines += ["", f"ours beside the closest plan {form.target.name} can write ({form.chosen.label}): the "
+                      f"estimator's figures for one optimizer step (--device {device}):", _figures(form)]  # fmt: skip
     return lines + [f"note: {n}" for n in form.notes]
 
 
@@ -157,7 +159,7 @@ def to_json(answer: Answer) -> dict[str, Any]:
         return {
             "version": v.key,
             "names_read_from": v.read_from,
-            "names": TARGETS[form.target].names(v),
+            "names": form.target.names(v),
             "installed": {v.package: v.installed()} if v.package else {},
             "settings": {**form.chosen.settings, **form.loss.settings},
             "text": form.text,
@@ -170,7 +172,7 @@ def to_json(answer: Answer) -> dict[str, Any]:
 
     forms = [one(f) for f in answer.forms]
     return {
-        "target": answer.forms[0].target,
+        "target": answer.forms[0].target.name,
         "model": ctx.config.model.name,
         "n_layer": ctx.n_layer,
         "attention": ctx.attention,
@@ -206,11 +208,18 @@ def _parser() -> OneLineParser:
 
 
 def _check_writable(flag: str, path: Path) -> None:
+    """A file the answer can be written to (its missing folders made then), refused in one line before any work.
+    The nearest existing folder is tried with a file that vanishes on close, not os.access: root passes that
+    everywhere, /proc included."""
     if path.is_dir():
         raise ExportRefused(f"{flag} {path} is a folder; give a file path in it")
     folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
-    if not (folder.is_dir() and os.access(folder, os.W_OK)):
-        raise ExportRefused(f"{flag} {path}: cannot write under {folder}; give a path in a writable folder")
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(folder)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        raise ExportRefused(f"{flag} {path}: cannot write under {folder}; give a path in a writable folder") from None
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -224,10 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # options may come before, between or after the overrides
     try:
         target(args.to)
-        outputs = [("--out", args.out), ("--json", args.json_path)]
-        for flag, path in outputs:
+        for flag, path in (("--out", args.out), ("--json", args.json_path)):
             if path:
                 _check_writable(flag, Path(path))  # before the work, not after it
+        if args.out and args.json_path and Path(args.out).resolve() == Path(args.json_path).resolve():
+            raise ExportRefused(f"--out and --json both name {args.out}; give each a file of its own")
         answer = export(compose_config(args.overrides), args.to, args.target_version, args.device)
     except Exception as e:
         line = describe_user_error(e)

@@ -12,17 +12,16 @@ block has no fixed place in an order of memory.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from trainer.errors import PolicyError
 from trainer.estimate import Estimate, Session, measure
+from trainer.estimate.tables import _quiet_policy_notices as quiet_policy_notices
 from trainer.export.spec import (
     APPROX,
     EXACT,
     NOT,
+    TARGETS,
     Candidate,
     Context,
     Element,
@@ -33,9 +32,10 @@ from trainer.export.spec import (
     Version,
     describe_blocks,
     elements,
-    loss_text,
+    settings_line,
 )
 from trainer.policies import Plan, Policy, PolicyConfig
+from trainer.text import MIB
 
 
 @dataclass
@@ -64,8 +64,7 @@ class Figures:
 class Form:
     """One target version's answer: the settings it writes, their fidelity, and the figures where they differ."""
 
-    target: str
-    title: str
+    target: Target
     version: Version
     chosen: Candidate
     loss: LossMap
@@ -102,21 +101,9 @@ class PlanPolicy(Policy):
         return self._custom[name] if name in self._custom else self._source.treatment_policy(name)
 
 
-@contextlib.contextmanager
-def quiet_policy_notices() -> Iterator[None]:
-    """Measuring several plans must not print each treatment's one-time notice (offload on CPU, selective under
-    SDPA): the export says what runs in its rows."""
-    logger = logging.getLogger("trainer.policies")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 class Measurer:
-    """The session's measurements, each plan and head once."""
+    """The session's measurements, each plan and head once. Measuring several plans prints no treatment's one-time
+    notice (offload on CPU, selective under SDPA): the rows say what runs."""
 
     def __init__(self, session: Session, ctx: Context) -> None:
         self.session, self.ctx = session, ctx
@@ -155,16 +142,16 @@ def closest(cands: list[Candidate], ours: Figures, figures: list[Figures | None]
 def refuse_if_inexpressible(target: Target, ctx: Context, version: Version, explicit: bool) -> None:
     """A plan no element of which the target can run, even approximately, is refused in one line naming the targets
     that can run it (the registry's)."""
-    from trainer.export.spec import TARGETS
-
     work: list[Element] = [e for e in ctx.elements if e.treatment != "none"] or ctx.elements
     if any(target.can(e, ctx, version) for e in work):
         return
     others = [f"--to {n}" for n, t in TARGETS.items()
               if n != target.name and all(t.can(e, ctx, t.versions[0]) for e in work)]  # fmt: skip
     flag = f" --target-version {version.key}" if explicit else ""
-    what = ", ".join(others[:-1]) + (" or " if len(others) > 1 else "") + others[-1] + " can" if others else (
-        "no target here can; policy=full exports to every one")  # fmt: skip
+    if others:
+        what = (f"{', '.join(others[:-1])} or {others[-1]}" if len(others) > 1 else others[0]) + " can"
+    else:
+        what = "no target here can; policy=full exports to every one"
     raise ExportRefused(
         f"--to {target.name}{flag}: policy={ctx.policy.cfg.name} ({ctx.plan.describe()}) cannot be expressed: "
         f"{target.why_not(work[0], ctx, version)}; {what}"
@@ -176,7 +163,7 @@ def rows(target: Target, ctx: Context, version: Version, chosen: Candidate, loss
     for the loss head."""
     parts = [part for e in ctx.elements for part in _parts(e, chosen.does)]
     out = _merged([(part, _row(target, ctx, version, chosen.does, part)) for part in parts])
-    out.append(Row(f"loss head: {loss_text(ctx.loss, ctx.chunk_tokens)}", loss.status, loss.how))
+    out.append(Row(f"loss head: {ctx.loss_text}", loss.status, loss.how))
     return out
 
 
@@ -227,8 +214,8 @@ def export_form(target: Target, ctx: Context, version: Version, measurer: Measur
     cands = target.candidates(ctx, version)
     loss = target.loss(ctx, version)
     same = [c for c in cands if c.does == ctx.plan]
-    faithful = [c for c in cands if all(r.status != NOT for r in rows(target, ctx, version, c, loss)[:-1])]
-    pool = same[:1] or faithful or cands
+    pool = same[:1] or [c for c in cands if all(r.status != NOT for r in rows(target, ctx, version, c, loss)[:-1])]
+    pool = pool or cands
     chosen = pool[0]
     form_rows = rows(target, ctx, version, chosen, loss)
     ours = closest_figures = None
@@ -243,21 +230,20 @@ def export_form(target: Target, ctx: Context, version: Version, measurer: Measur
         closest_figures = figures[pool.index(chosen)]
         form_rows = rows(target, ctx, version, chosen, loss)
         if closest_figures is not None and closest_figures.peak_bytes > ours.peak_bytes:
-            notes += _fitting_alternative(target, ctx, version, measurer, [c for c in cands if c not in pool], ours)
+            others = [c for c in cands if c not in pool]
+            notes += _fitting_alternative(target, ctx, version, loss, measurer, others, ours)
     text = target.render(chosen, loss, ctx, version)
-    return Form(target.name, target.title, version, chosen, loss, form_rows, text, ours, closest_figures,
-                notes + chosen.notes)  # fmt: skip
+    return Form(target, version, chosen, loss, form_rows, text, ours, closest_figures, notes + chosen.notes)
 
 
-def _fitting_alternative(target: Target, ctx: Context, version: Version, measurer: Measurer, others: list[Candidate],
-                         ours: Figures) -> list[str]:  # fmt: skip
+def _fitting_alternative(target: Target, ctx: Context, version: Version, loss: LossMap, measurer: Measurer,
+                         others: list[Candidate], ours: Figures) -> list[str]:  # fmt: skip
     """Where the closest faithful plan peaks above ours: the cheapest other plan the target can write that does fit,
     as a note (it runs some element another way)."""
-    loss = target.loss(ctx, version)
     fitting = [(f, c) for c in others if (f := measurer.candidate(c, loss.closest)) and f.peak_bytes <= ours.peak_bytes]
     if not fitting:
         return []
     f, c = min(fitting, key=lambda x: x[0].flops)
-    settings = " ".join(s for s in target.render(c, loss, ctx, version).splitlines() if not s.startswith("#"))
-    return [f"the closest peaks above ours; {c.label} ({settings}) fits: whole-step peak {f.peak_bytes / 2**20:,.2f} "
+    settings = settings_line(target.render(c, loss, ctx, version))
+    return [f"the closest peaks above ours; {c.label} ({settings}) fits: whole-step peak {f.peak_bytes / MIB:,.2f} "
             f"MiB, {f.flops / ours.flops:.3f}× our FLOPs, running {f.plan}"]  # fmt: skip

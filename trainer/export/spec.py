@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from trainer.errors import UserError
 from trainer.loss import LossConfig
-from trainer.policies import Plan, Policy
+from trainer.policies import Plan, Policy, treatments
 from trainer.schema import Config
 
 Status = Literal["exact", "approximated", "not expressible"]
@@ -54,29 +54,27 @@ class Element:
 
 def elements(plan: Plan) -> list[Element]:
     """The plan's runs: consecutive segments of one treatment and one size merged (six groups of 2 are one element,
-    as `describe` merges per-block segments)."""
+    as `describe` merges per-block segments); a shorter group ending the plan is the groups' last one."""
     out: list[Element] = []
     for s in plan.segments:
         size = s.stop - s.start
         last = out[-1] if out else None
-        if last and last.treatment == s.treatment and last.group == size and last.stop == s.start:
-            out[-1] = Element(last.start, s.stop, s.treatment, size)
-        elif last and last.treatment == s.treatment and size < last.group and last.stop == s.start:
-            out[-1] = Element(last.start, s.stop, s.treatment, last.group)  # the shorter last group of the groups
-        else:
-            out.append(Element(s.start, s.stop, s.treatment, size))
+        if last and last.treatment == s.treatment and last.stop == s.start:
+            if size == last.group or (size < last.group and s.stop == plan.n_layer):
+                out[-1] = Element(last.start, s.stop, s.treatment, last.group)
+                continue
+        out.append(Element(s.start, s.stop, s.treatment, size))
     return out
 
 
 @dataclass
 class Context:
-    """Everything a target reads: the configuration, our plan as it runs on this model (each treatment as it really
-    runs: selective under SDPA is `none`), the loss head, and the model's facts."""
+    """Everything a target reads: the configuration (its loss head included), our plan as it runs on this model
+    (each treatment as it really runs: selective under SDPA is `none`), and the model's facts."""
 
     config: Config
     policy: Policy  # the configured policy (auto: with the planner's choice made)
     plan: Plan
-    loss: LossConfig
     n_layer: int
     attention: str
     layer_class: type
@@ -88,12 +86,27 @@ class Context:
         return elements(self.plan)
 
     @property
+    def loss(self) -> LossConfig:
+        return self.config.loss
+
+    @property
     def tokens(self) -> int:
         return self.config.batch_size * self.config.seq_len
 
     @property
     def chunk_tokens(self) -> int:
         return self.loss.chunk_for(self.tokens)
+
+    @property
+    def loss_text(self) -> str:
+        """The loss head as the rows name it: with the chunk size it runs at, where it has one."""
+        name = self.loss.name
+        return name if name == "standard" else f"{name} (chunk_tokens={self.chunk_tokens})"
+
+    @property
+    def loss_chunks(self) -> int:
+        """How many chunks of chunk_tokens the micro-batch's tokens make (the last may be shorter)."""
+        return max(1, -(-self.tokens // self.chunk_tokens))
 
     @property
     def layer_path(self) -> str:
@@ -132,8 +145,17 @@ class LossMap:
     status: Status
     how: str
     settings: dict[str, Any]
-    text: str
     closest: str
+
+    @classmethod
+    def standard(cls, how: str, settings: dict[str, Any] | None = None) -> LossMap:
+        """Our standard head, as the target's own."""
+        return cls(EXACT, how, dict(settings or {}), "standard")
+
+    @classmethod
+    def standard_only(cls, why: str) -> LossMap:
+        """A target whose only head is the standard one: ours is not expressible, and loss=standard is measured."""
+        return cls(NOT, f"{why}; the closest is loss=standard", {}, "standard")
 
 
 @dataclass(frozen=True)
@@ -193,7 +215,7 @@ class Target:
         """Can the target run this element at least approximately (on its own)?"""
         if e.group > 1 and not self.groups:
             return False
-        theirs = ("none", "full", "selective", "op_sac", "offload", *self.own_treatments)
+        theirs = (*treatments(), *self.own_treatments)
         return self.fidelity(e, ctx, version) is not None or any(self.similar(e, t, ctx, version) for t in theirs)
 
     def names(self, v: Version) -> str:
@@ -249,13 +271,13 @@ def per_block(plan: Plan) -> tuple[str, ...] | None:
     return None if any(s.group for s in plan.segments) else plan.treatments
 
 
-def group_size(plan: Plan, treatment: str = "full") -> int | None:
-    """k where the plan is `Plan.groups(n, k, treatment)` with k ≥ 2 (the last group may be shorter), else None."""
+def group_size(plan: Plan) -> int | None:
+    """k where the plan is `Plan.groups(n, k, "full")` with k ≥ 2 (the last group may be shorter), else None."""
     first = plan.segments[0] if plan.segments else None
     if first is None or not first.group:
         return None
     k = first.stop - first.start
-    return k if plan == Plan.groups(plan.n_layer, k, treatment) else None
+    return k if plan == Plan.groups(plan.n_layer, k, "full") else None
 
 
 def first_n(plan: Plan, treatment: str = "full") -> int | None:
@@ -265,6 +287,16 @@ def first_n(plan: Plan, treatment: str = "full") -> int | None:
         return None
     n = next((i for i, t in enumerate(ts) if t != treatment), len(ts))
     return n if 0 < n < len(ts) and all(t == "none" for t in ts[n:]) else None
+
+
+def from_zero(n: int) -> int:
+    """An every-n-th offset: blocks 0, n, 2n, … (Hugging Face's every_n_layers)."""
+    return 0
+
+
+def from_one(n: int) -> int:
+    """An every-n-th offset: blocks counted from 1 whose count divides by n, i.e. indices n-1, 2n-1, …"""
+    return n - 1
 
 
 def every_nth(plan: Plan, offset: Callable[[int], int]) -> int | None:
@@ -292,6 +324,24 @@ def covering_nth(plan: Plan, offset: Callable[[int], int]) -> int | None:
     return None
 
 
+def checkpoint_and_offload(n_layer: int, settings: dict[str, Any], notes: list[str] | None = None) -> Candidate:
+    """A target's offload that checkpoints every block and moves what the checkpoint keeps (its input) to the host:
+    it runs `offload` on every block, measured as `full` (the inputs' host copy is not modelled)."""
+    full, offload = Plan.uniform(n_layer, "full"), Plan.uniform(n_layer, "offload")
+    return Candidate("checkpoint and offload", settings, full, notes=list(notes or []), runs=offload)
+
+
+def offload_by_checkpoint(theirs: str) -> tuple[Status, str]:
+    """The fidelity of `checkpoint_and_offload` to our offload; `theirs`: how the target does it."""
+    return APPROX, (f"{theirs}; ours recomputes nothing and keeps every activation in host memory. Measured here "
+                    "as full (the inputs' host copy not modelled)")  # fmt: skip
+
+
+def settings_line(text: str) -> str:
+    """Rendered settings on one line, for a sentence: their lines joined, comments and blank lines left out."""
+    return "; ".join(s for s in text.splitlines() if s.strip() and not s.startswith("#"))
+
+
 def describe_blocks(plan: Plan, blocks: range) -> str:
     """What a plan does on some blocks, in describe()'s words ("[2-5]:full")."""
     part = [s for s in plan.segments if s.start < blocks.stop and s.stop > blocks.start]
@@ -302,7 +352,3 @@ def ordinal(n: int) -> str:
     """2 → "2nd", 3 → "3rd", 11 → "11th"."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-def loss_text(loss: LossConfig, chunk_tokens: int) -> str:
-    return loss.name if loss.name == "standard" else f"{loss.name} (chunk_tokens={chunk_tokens})"

@@ -25,9 +25,12 @@ from trainer.export.spec import (
     Status,
     Target,
     Version,
+    checkpoint_and_offload,
     covering_nth,
     every_nth,
     every_nth_plan,
+    from_zero,
+    offload_by_checkpoint,
     register,
     uniform,
 )
@@ -41,7 +44,6 @@ class Names:
     """What the installed transformers calls things and takes."""
 
     version: str
-    installed: bool
     flag: str
     kwargs: str
     every_n_layers: bool
@@ -53,14 +55,14 @@ def hf_names() -> Names:
         import transformers
         from transformers import PreTrainedModel, TrainingArguments
     except ImportError:
-        return Names(READ_FROM, False, "activation_checkpointing", "activation_checkpointing_kwargs", True, True)
+        return Names(READ_FROM, "activation_checkpointing", "activation_checkpointing_kwargs", True, True)
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     new = "activation_checkpointing" in fields
     enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
     enable = enable or PreTrainedModel.gradient_checkpointing_enable
     params = inspect.signature(enable).parameters
     prefix = "activation" if new else "gradient"
-    return Names(transformers.__version__, True, f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs",
+    return Names(transformers.__version__, f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs",
                  "every_n_layers" in params, "offload" in params)  # fmt: skip
 
 
@@ -74,11 +76,10 @@ class HuggingFace(Target):
     versions = (Version("5", f"transformers {READ_FROM}", "transformers"),)
 
     def names(self, v: Version) -> str:
-        names = hf_names()
-        if not names.installed:
-            return f"names for transformers {READ_FROM} (not installed here)"
-        return (f"names for transformers {names.version}, the one installed here (read from its TrainingArguments "
-                "and activation_checkpointing_enable)")  # fmt: skip
+        if v.installed() is None:
+            return super().names(v)
+        return (f"names for transformers {hf_names().version}, the one installed here (read from its "
+                "TrainingArguments and activation_checkpointing_enable)")  # fmt: skip
 
     def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
         names, n, plan = hf_names(), ctx.n_layer, ctx.plan
@@ -86,28 +87,28 @@ class HuggingFace(Target):
         out: list[Candidate] = []
         if only == "none":
             out.append(Candidate("no checkpointing", {}, plan))
-        nth = every_nth(plan, lambda k: 0)
+        nth = every_nth(plan, from_zero)
         if nth:
-            self._needs(names, "every_n_layers", names.every_n_layers, ctx)
-            out.append(self._ckpt(names, n, {"every_n_layers": nth}, every_nth_plan(n, nth, lambda k: 0)))
+            self._needs(names, "every_n_layers", ctx)
+            out.append(self._ckpt(names, {"every_n_layers": nth}, every_nth_plan(n, nth, from_zero)))
         if "offload" in plan.treatments:
             if only == "offload":
-                self._needs(names, "offload", names.offload, ctx)
+                self._needs(names, "offload", ctx)
             if names.offload:
-                full = Plan.uniform(n, "full")
-                c = self._ckpt(names, n, {"offload": True}, full)
-                out.append(Candidate("checkpoint and offload", c.settings, full, runs=Plan.uniform(n, "offload")))
+                c = self._ckpt(names, {"offload": True}, Plan.uniform(n, "full"))
+                out.append(checkpoint_and_offload(n, c.settings, c.notes))
         if {"op_sac", "selective"} & set(plan.treatments):
             context_fn = ctx.treatment("op_sac").context_fn  # type: ignore[attr-defined]
-            out.append(self._ckpt(names, n, {"context_fn": context_fn}, Plan.uniform(n, "op_sac"), "per op"))
-        out.append(self._ckpt(names, n, {}, Plan.uniform(n, "full")))
-        cover = covering_nth(plan, lambda k: 0) if names.every_n_layers else None
+            out.append(self._ckpt(names, {"context_fn": context_fn}, Plan.uniform(n, "op_sac"), "per op"))
+        out.append(self._ckpt(names, {}, Plan.uniform(n, "full")))
+        cover = covering_nth(plan, from_zero) if names.every_n_layers else None
         if cover and cover != nth:
-            out.append(self._ckpt(names, n, {"every_n_layers": cover}, every_nth_plan(n, cover, lambda k: 0)))
+            out.append(self._ckpt(names, {"every_n_layers": cover}, every_nth_plan(n, cover, from_zero)))
         return out
 
-    def _needs(self, names: Names, option: str, has: bool, ctx: Context) -> None:
-        if not has:
+    def _needs(self, names: Names, option: str, ctx: Context) -> None:
+        """Refuse a plan that needs the checkpointing kwarg `option` (a `Names` field) the installed release lacks."""
+        if not getattr(names, option):
             raise ExportRefused(
                 f"--to hf: policy={ctx.policy.cfg.name} ({ctx.plan.describe()}) needs {names.kwargs} {option}, "
                 f"which transformers {names.version} lacks ({READ_FROM} has it); upgrade transformers, or export "
@@ -115,7 +116,7 @@ class HuggingFace(Target):
             )
 
     @staticmethod
-    def _ckpt(names: Names, n: int, extra: dict[str, Any], plan: Plan, label: str = "") -> Candidate:
+    def _ckpt(names: Names, extra: dict[str, Any], plan: Plan, label: str = "") -> Candidate:
         kwargs = {"use_reentrant": False, **extra}
         what = label or ", ".join(f"{k}={v}" for k, v in extra.items()) or "every layer"
         notes = []
@@ -130,7 +131,7 @@ class HuggingFace(Target):
         if e.treatment == "none":
             return EXACT, "not checkpointed: every activation kept"
         if e.treatment == "full" and e.group == 1:
-            nth = every_nth(ctx.plan, lambda k: 0)
+            nth = every_nth(ctx.plan, from_zero)
             which = f"every_n_layers={nth}: layers 0, {nth}, {2 * nth}, … checkpointed" if nth else "each layer"
             return EXACT, f"{which} (torch.utils.checkpoint, use_reentrant=False, RNG state preserved as ours)"
         if e.treatment == "op_sac" and e.group == 1:
@@ -138,11 +139,8 @@ class HuggingFace(Target):
                            "passed through to torch.utils.checkpoint; a Python object, so this form fits a script, "
                            "not a JSON or command-line config")  # fmt: skip
         if e.treatment == "offload" and e.group == 1:
-            return APPROX, (
-                "offload=True checkpoints each layer and holds what the checkpoint keeps (its input) in "
-                "pinned host memory (torch's save_on_cpu); ours recomputes nothing and keeps every "
-                "activation in host memory. Measured here as full (the inputs' host copy not modelled)"
-            )
+            return offload_by_checkpoint("offload=True checkpoints each layer and holds what the checkpoint keeps "
+                                         "(its input) in pinned host memory (torch's save_on_cpu)")  # fmt: skip
         return None
 
     def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
@@ -161,19 +159,18 @@ class HuggingFace(Target):
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
-            return LossMap(EXACT, "the model's own loss: cross-entropy on the whole logits", {}, "", "standard")
+            return LossMap.standard("the model's own loss: cross-entropy on the whole logits")
         settings = {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER)}
         why = ("Liger's fused linear cross-entropy (liger-kernel 0.8.5; Triton kernels, CUDA only): projection and "
                "loss chunk by chunk, gradients made in the forward")  # fmt: skip
         if ctx.loss.name == "chunked":
             why += ", so nothing is recomputed (ours recomputes each chunk's logits); Liger sizes its own chunks"
-        return LossMap(APPROX, why, settings, "", ctx.loss.name)
+        return LossMap(APPROX, why, settings, ctx.loss.name)
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         names = hf_names()
         settings = {**chosen.settings, **loss.settings}
         kwargs = settings.get(names.kwargs, {})
-        head: list[str] = []
         if "context_fn" in kwargs:
             save = ", ".join(f"torch.ops.{op}" for op in ctx.treatment("op_sac").cfg.save_ops)  # type: ignore[attr-defined]
             head = ["import functools", "", "import torch",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from trainer.export.spec import (
     EXACT,
-    NOT,
     Candidate,
     Context,
     Element,
@@ -55,11 +54,9 @@ class Lightning(Target):
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
-            return LossMap(EXACT, "your LightningModule's own loss: cross-entropy on the whole logits", {}, "",
-                           "standard")  # fmt: skip
-        return LossMap(NOT, "the loss head is your LightningModule's code, not a strategy setting (this project's "
-                            "trainer.loss.head_loss computes a chunked or fused head); the closest is loss=standard",
-                       {}, "", "standard")  # fmt: skip
+            return LossMap.standard("your LightningModule's own loss: cross-entropy on the whole logits")
+        return LossMap.standard_only("the loss head is your LightningModule's code, not a strategy setting (this "
+                                     "project's trainer.loss.head_loss computes a chunked or fused head)")  # fmt: skip
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         lines = ["from lightning.pytorch.strategies import FSDPStrategy"]

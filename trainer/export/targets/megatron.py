@@ -1,4 +1,4 @@
-"""Megatron (megatron-core's TransformerConfig and the pretrain_gpt.py flags megatron.training makes from its fields).
+"""Megatron: megatron-core's TransformerConfig, and the command-line flags megatron.training makes from its fields.
 
 Megatron recomputes per layer or per module, never per op: `--recompute-granularity full` with `--recompute-method
 block` (the first N layers of each pipeline stage, each its own checkpoint) or `uniform` (consecutive groups of N
@@ -14,7 +14,6 @@ from typing import Any
 from trainer.export.spec import (
     APPROX,
     EXACT,
-    NOT,
     Candidate,
     Context,
     Element,
@@ -67,7 +66,7 @@ class Megatron(Target):
             out.append(Candidate(f"offload the first {offloaded} layers",
                                  {"cpu_offloading": True, "cpu_offloading_num_layers": offloaded},
                                  Plan.per_block(["offload"] * offloaded + ["none"] * (n - offloaded))))  # fmt: skip
-        if only == "selective" or "op_sac" in plan.treatments or "selective" in plan.treatments:
+        if {"op_sac", "selective"} & set(plan.treatments):
             out.append(Candidate("selective (core_attn)", {"recompute_granularity": "selective"},
                                  Plan.uniform(n, "selective")))  # fmt: skip
         out.append(self._uniform(n, 1))
@@ -92,8 +91,9 @@ class Megatron(Target):
             return EXACT, "no recompute flag for these layers: their activations are kept"
         if e.treatment == "full" and e.group > 1:
             rest = n % e.group
-            tail = (f"; the last group has {rest} layers, as ours (megatron-core 0.19.2 shortens it; 0.16.1's loop "
-                    f"has no such clamp and indexes past the last layer: there give a policy.k dividing {n})"
+            last = f"{rest} layer" if rest == 1 else f"{rest} layers"
+            tail = (f"; the last group has {last}, as ours (megatron-core 0.19.2 shortens it; 0.16.1's loop has no "
+                    f"such clamp and indexes past the last layer: there give a policy.k dividing {n})"
                     if rest else "")  # fmt: skip
             return EXACT, f"--recompute-method uniform: one checkpoint per group of {e.group} layers{tail}"
         if e.treatment == "full":
@@ -131,11 +131,11 @@ class Megatron(Target):
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
-            return LossMap(EXACT, "Megatron's cross-entropy on the whole logits (vocab-parallel across tensor ranks)",
-                           {}, "", "standard")  # fmt: skip
-        return LossMap(NOT, "megatron-core has no chunked or projection-fused loss head (--cross-entropy-loss-fusion "
-                            "fuses the softmax and the loss, not the projection); the closest is loss=standard",
-                       {}, "", "standard")  # fmt: skip
+            return LossMap.standard("Megatron's cross-entropy on the whole logits (vocab-parallel across tensor ranks)")
+        return LossMap.standard_only(
+            "megatron-core has no chunked or projection-fused loss head (--cross-entropy-loss-fusion fuses the "
+            "softmax and the loss, not the projection)"
+        )
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         text = flags(chosen.settings)

@@ -1,6 +1,6 @@
 """torchtitan: main's command line (`activation-checkpoint:{none,full,selective,memory-budget}` subcommands, names
-read from torchtitan 0.3.0's distributed/activation_checkpoint.py) and the older TOML (`[activation_checkpoint] mode`,
-`selective_ac_option`, read from 0.2.2's config/job_config.py).
+read from torchtitan 0.3.0) and the older TOML (`[activation_checkpoint] mode`, `selective_ac_option`, read from
+0.2.2).
 
 torchtitan wraps each transformer block in torch's checkpoint_wrapper: whole (`full`), per op (`selective` on main,
 `selective_ac_option = "op"` up to 0.2), or up to 0.2 every n-th block whole (`selective_ac_option = "<n>"`). Its
@@ -11,7 +11,6 @@ blocks as one region.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.export.spec import (
     APPROX,
     EXACT,
-    NOT,
     Candidate,
     Context,
     Element,
@@ -32,6 +30,7 @@ from trainer.export.spec import (
     covering_nth,
     every_nth,
     every_nth_plan,
+    from_one,
     ordinal,
     register,
     uniform,
@@ -41,11 +40,6 @@ from trainer.policies import Plan, Policy, PolicyConfig, checkpointed
 MAIN = Version("0.3", "torchtitan 0.3.0 (main: command-line subcommands)", "torchtitan")
 TOML = Version("0.2", "torchtitan 0.2.2 (TOML, up to 0.2.x)", "torchtitan")
 SAC = {MAIN.key: "torchtitan-sac", TOML.key: "torchtitan-0.2-sac"}  # their per-op policy, as a treatment here
-
-
-def _nth(n: int) -> int:
-    """torchtitan ≤0.2 counts blocks from 1 and checkpoints those whose count divides by n: indices n-1, 2n-1, …"""
-    return n - 1
 
 
 def _ops(*names: str) -> set[Any]:
@@ -148,12 +142,12 @@ class Torchtitan(Target):
         only = uniform(ctx.plan)
         if only == "none":
             out.append(self._mode("none", Plan.uniform(n, "none"), main))
-        nth = None if main else every_nth(ctx.plan, _nth)
+        nth = None if main else every_nth(ctx.plan, from_one)
         if nth:
             out.append(self._nth(n, nth))
         sac = SAC[version.key]
         out.append(self._mode("selective", Plan.uniform(n, sac), main, {sac: TorchtitanSAC.of(version)}))
-        if not main and (cover := covering_nth(ctx.plan, _nth)) and cover != nth:
+        if not main and (cover := covering_nth(ctx.plan, from_one)) and cover != nth:
             out.append(self._nth(n, cover))
         full = self._mode("full", Plan.uniform(n, "full"), main)
         return [full, *out] if only == "full" else [*out, full]
@@ -169,13 +163,13 @@ class Torchtitan(Target):
     @staticmethod
     def _nth(n: int, k: int) -> Candidate:
         settings = {"activation_checkpoint": {"mode": "selective", "selective_ac_option": str(k)}}
-        return Candidate(f"every {ordinal(k)} block", settings, every_nth_plan(n, k, _nth))
+        return Candidate(f"every {ordinal(k)} block", settings, every_nth_plan(n, k, from_one))
 
     def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
-            nth = every_nth(ctx.plan, _nth) if version.key == TOML.key else None
+            nth = every_nth(ctx.plan, from_one) if version.key == TOML.key else None
             how = (f'selective_ac_option = "{nth}": every {ordinal(nth)} block (counted from 1, by a process-wide '
                    "counter) wrapped whole" if nth else "each block wrapped whole")  # fmt: skip
             return EXACT, f"{how} (checkpoint_wrapper, RNG state preserved as ours: preserve_rng_state)"
@@ -211,13 +205,11 @@ class Torchtitan(Target):
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
-            return LossMap(EXACT, "CrossEntropyLoss on the whole logits (the default)", {}, "", "standard")
+            return LossMap.standard("CrossEntropyLoss on the whole logits (the default)")
         if version.key == TOML.key:
-            return LossMap(NOT, "torchtitan ≤0.2.2 has no chunked loss head; the closest is loss=standard", {}, "",
-                           "standard")  # fmt: skip
-        seq = ctx.config.seq_len
-        want = math.ceil(ctx.tokens / ctx.chunk_tokens)
-        chunks = next((d for d in range(max(1, want), seq + 1) if seq % d == 0), seq)
+            return LossMap.standard_only("torchtitan ≤0.2.2 has no chunked loss head")
+        seq = ctx.config.seq_len  # it chunks the sequence: the first divisor of it making chunks no larger than ours
+        chunks = next((d for d in range(ctx.loss_chunks, seq + 1) if seq % d == 0), seq)
         code = f"loss=ChunkedLossWrapper.Config(num_chunks={chunks}, loss_fn=CrossEntropyLoss.Config()),"
         why = ("ChunkedLossWrapper (in a config_registry function; it has no command-line form): lm_head and the "
                f"loss per chunk of the sequence ({chunks} chunks of {seq // chunks} positions × the batch), each "
@@ -227,15 +219,15 @@ class Torchtitan(Target):
             if ctx.loss.name == "chunked"
             else ", as torch's linear_cross_entropy makes gradients in the forward"
         )
-        return LossMap(APPROX, why + extra, {"loss": code}, code, ctx.loss.name)
+        return LossMap(APPROX, why + extra, {"loss": code}, ctx.loss.name)
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         s = chosen.settings["activation_checkpoint"]
         if version.key == MAIN.key:
             cls = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[s]
             lines = [f"activation-checkpoint:{s}", f"# or in a config_registry function: activation_checkpoint={cls},"]
-            if loss.text:
-                lines.append(f"# loss (config_registry only): {loss.text}")
+            if "loss" in loss.settings:
+                lines.append(f"# loss (config_registry only): {loss.settings['loss']}")
             return "\n".join(lines)
         lines = ["[activation_checkpoint]"] + [f'{k} = "{v}"' for k, v in s.items()]
         return "\n".join(lines)

@@ -23,9 +23,12 @@ from trainer.export.spec import (
     Status,
     Target,
     Version,
+    checkpoint_and_offload,
     covering_nth,
     every_nth,
     every_nth_plan,
+    from_one,
+    offload_by_checkpoint,
     ordinal,
     register,
     uniform,
@@ -33,10 +36,6 @@ from trainer.export.spec import (
 from trainer.policies import Plan
 
 RECIPES = "full_finetune_distributed, qat_distributed"  # the recipes that read ac_mode / ac_option
-
-
-def _nth(n: int) -> int:
-    return n - 1  # the n-th, 2n-th, … layer counted from 1
 
 
 @register
@@ -54,26 +53,26 @@ class Torchtune(Target):
         out: list[Candidate] = []
         if only == "none":
             out.append(Candidate("no checkpointing", off, plan))
-        if nth := every_nth(plan, _nth):
+        if nth := every_nth(plan, from_one):
             out.append(self._nth(n, nth))
         if "offload" in plan.treatments:
             s = {"enable_activation_checkpointing": True, "enable_activation_offloading": True}
-            out.append(Candidate("checkpoint and offload", s, full.plan, runs=Plan.uniform(n, "offload")))
+            out.append(checkpoint_and_offload(n, s))
         out.append(full)
-        if (cover := covering_nth(plan, _nth)) and cover != nth:
+        if (cover := covering_nth(plan, from_one)) and cover != nth:
             out.append(self._nth(n, cover))
         return out
 
     @staticmethod
     def _nth(n: int, k: int) -> Candidate:
         s: dict[str, Any] = {"enable_activation_checkpointing": False, "ac_mode": "selective", "ac_option": k}
-        return Candidate(f"every {ordinal(k)} layer", s, every_nth_plan(n, k, _nth))
+        return Candidate(f"every {ordinal(k)} layer", s, every_nth_plan(n, k, from_one))
 
     def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
-            nth = every_nth(ctx.plan, _nth)
+            nth = every_nth(ctx.plan, from_one)
             if not nth:
                 return EXACT, "each layer wrapped in torch's checkpoint_wrapper (RNG state preserved), as ours"
             how = (
@@ -87,11 +86,9 @@ class Torchtune(Target):
                 )
             return EXACT, f"{how} (no dropout, so its preserve_rng_state=False changes nothing)"
         if e.treatment == "offload" and e.group == 1:
-            return APPROX, (
-                "enable_activation_offloading needs enable_activation_checkpointing (and CUDA): each layer "
-                "is checkpointed and what the checkpoint keeps (its input) goes to the host; ours "
-                "recomputes nothing. Measured here as full (the inputs' host copy not modelled)"
-            )
+            return offload_by_checkpoint("enable_activation_offloading needs enable_activation_checkpointing (and "
+                                         "CUDA): each layer is checkpointed and what the checkpoint keeps (its "
+                                         "input) goes to the host")  # fmt: skip
         return None
 
     def why_not(self, e: Element, ctx: Context, version: Version) -> str:
@@ -104,13 +101,13 @@ class Torchtune(Target):
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             s = {"loss": {"_component_": "torch.nn.CrossEntropyLoss"}}
-            return LossMap(EXACT, "torch's CrossEntropyLoss on the whole logits", s, "", "standard")
-        chunks = max(1, -(-ctx.tokens // ctx.chunk_tokens))
+            return LossMap.standard("torch's CrossEntropyLoss on the whole logits", s)
+        chunks = ctx.loss_chunks
         s = {"loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss", "num_output_chunks": chunks}}
         return LossMap(APPROX, (f"CEWithChunkedOutputLoss ({chunks} chunks): the output layer still makes every "
                                 "chunk's logits in the forward and keeps them; only the fp32 upcast and the "
                                 "cross-entropy go chunk by chunk. Measured here as loss=standard"),
-                       s, "", "standard")  # fmt: skip
+                       s, "standard")  # fmt: skip
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         lines = [f"{k}: {_yaml(v)}" for k, v in chosen.settings.items()]
