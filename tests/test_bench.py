@@ -210,3 +210,13 @@ def test_command_line_to_rerun_drops_the_output_flags() -> None:
 def test_gpu_script_parses() -> None:
     proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_fit_time_prints_both_times_and_their_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import fit_time
+
+    assert fit_time.main(["model=micro", "seq_len=32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("model=micro seq_len=32, --device cuda, precision ")
+    assert "estimate alone " in out[1] and "× (" in out[1] and "world sizes estimated: 1" in out[1]

@@ -284,6 +284,7 @@ def test_cli_bad_override_is_one_line_exit_2() -> None:
         (["loss=chunked", "loss.chunk_tokens=100000"], "larger than the micro-batch"),
         (["model.vocab_size=100"], "smaller than the tokenizer's 256"),  # the run's rule: refused, not estimated
         (["--json", "/"], "is a folder"),  # refused before the work
+        (["--json", "/proc/estimate.json"], "cannot write under /proc"),  # root too: tried, not os.access
         (["data.tokenizer=bpe", "data.bpe_vocab_size=10"], "bpe_vocab_size=10 is too small"),  # as the run says
         (["data.tokenizer=model"], "needs model=hf"),
         (["--policies", "bogus"], "--policies"),

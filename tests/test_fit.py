@@ -207,6 +207,7 @@ def test_advice_from_an_fsdp2_configuration_opens_the_other_world_sizes(
         (["--fit", "--reserve", "150%"], "--reserve"),
         (["--fit", "--catalogue", "/no/such/place"], "--catalogue /no/such/place"),
         (["--fit", "--max-world", "1"], "--max-world 1"),
+        (["--fit", "--max-world", "5000"], "give 2 to 1024"),
     ],
 )
 def test_bad_fit_and_advice_options_are_one_line(
@@ -217,6 +218,24 @@ def test_bad_fit_and_advice_options_are_one_line(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("name: [x\nmemory: 1GB\n", "not valid YAML (line 2)"),
+        ("name: X\nmemory: 1GB\ntflops: {bf16: fast}\n", "tflops"),
+        ("- a\n- b\n", "needs at least `name` and `memory`"),
+        ("name: X\nmemory: lots\n", "memory 'lots'"),
+    ],
+)
+def test_a_bad_catalogue_entry_is_one_line(
+    text: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.yaml").write_text(text)
+    assert main([*SHAPE, "--fit", "--catalogue", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err
 
 
 @pytest.mark.gpu

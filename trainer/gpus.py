@@ -88,7 +88,12 @@ class Gpu:
 
 
 def _entry(path: Path) -> Gpu:
-    node = OmegaConf.to_container(OmegaConf.load(path))
+    try:
+        node = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # the YAML parser's own errors span lines; one line names the file and where
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"GPU catalogue entry {path}: not valid YAML{at}; see conf/gpu/*.yaml for the form") from None
     if not isinstance(node, dict) or not {"name", "memory"} <= node.keys():
         raise ConfigError(f"GPU catalogue entry {path}: needs at least `name` and `memory` (e.g. memory: 80GiB)")
     try:
@@ -96,12 +101,19 @@ def _entry(path: Path) -> Gpu:
             name=str(node["name"]),
             memory_bytes=parse_size(node["memory"], f"{path.name}: memory"),
             bandwidth=_rate(node["bandwidth"], f"{path.name}: bandwidth") if "bandwidth" in node else 0.0,
-            tflops={str(k): float(v) for k, v in (node.get("tflops") or {}).items()},
+            tflops=_tflops(node.get("tflops") or {}, path),
             host_link=_rate(node["host_link"], f"{path.name}: host_link") if "host_link" in node else 0.0,
             source=str(path),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _tflops(node: object, path: Path) -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in node.items()}  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(f"{path.name}: tflops {node!r}: write peak TFLOP/s per dtype, e.g. {{bf16: 989}}") from None
 
 
 def load_catalogue(extra: list[str | Path] | None = None) -> dict[str, Gpu]:

@@ -15,12 +15,14 @@ from trainer.estimate.advise import Advice, advise, where_the_peak_is
 from trainer.estimate.fit import FitTable, fit_table
 from trainer.estimate.plan import planner_plan
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
-from trainer.estimate.tables import _quiet_policy_notices, estimate_tables
+from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
 from trainer.policies import POLICIES, Plan, build_policy
-from trainer.rundir import write_json_atomic
+from trainer.rundir import check_writable, write_json_atomic
 from trainer.schema import OneLineParser, compose_config
 from trainer.text import MIB, flops_text, markdown_table
+
+MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
 
 
 def parse_bytes(text: str) -> int:
@@ -235,15 +237,6 @@ def to_json(
     }
 
 
-def _check_writable(path: Path) -> None:
-    """--json PATH: a file that can be written (its folder made if missing); a one-line ValueError otherwise."""
-    if path.is_dir():
-        raise ValueError(f"--json {path} is a folder; give a file path such as {path / 'estimate.json'}")
-    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
-    if not (folder.is_dir() and os.access(folder, os.W_OK)):
-        raise ValueError(f"--json {path}: cannot write under {folder}; give a path in a writable folder")
-
-
 def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m trainer.estimate",
@@ -307,12 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = None if args.budget is None else parse_bytes(args.budget)
         if args.advise and budget is None:
             raise ValueError("--advise prices changes against a budget: give --budget too, e.g. --budget 80GB")
-        if args.max_world < 2:
-            raise ValueError(f"--max-world {args.max_world}: give 2 or more")
+        if not 2 <= args.max_world <= MAX_WORLD:
+            raise ValueError(f"--max-world {args.max_world}: give 2 to {MAX_WORLD}")
         reserve = Reserve.parse(args.reserve) if args.fit else None
         gpus = list(load_catalogue(args.catalogue).values()) if args.fit else []
         if args.json_path:
-            _check_writable(Path(args.json_path))  # before the work, not after it
+            check_writable("--json", Path(args.json_path))  # before the work, not after it
     except (ValueError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -325,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         preface = ""
         if policy.planned_first:
             if config.model.family != "hf":
-                with _quiet_policy_notices():
+                with quiet_policy_notices():
                     policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line, exit 2
             plan, loss_name, preface = planner_plan(config, device)
             plans = {policy.cfg.name: plan}
@@ -336,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opened = session
 
         def configured() -> Estimate:
-            with _quiet_policy_notices():
+            with quiet_policy_notices():
                 return measure(opened, policy)  # a policy this model refuses fails here, one line
 
         table, losses = estimate_tables(
@@ -377,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if fit is not None:
             doc["fit"] = fit.to_json()
             doc["fit_reserve"] = fit.reserve.describe()
+            doc["fit_worlds_estimated"] = fit.worlds_estimated
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, doc)

@@ -146,7 +146,7 @@ def _run_tasks(
                 if name in (plans or {}):
                     policy.choose(plans[name].treatments)  # type: ignore[index]
                 loss = None if loss_name is None else replace(current, name=loss_name)
-                with _quiet_policy_notices():
+                with quiet_policy_notices():
                     policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
                     plan = resolve_plan(policy, session.module.adapter).describe()
                     key = (_same_run(plan, fake_cpu), loss_name or current.name)
@@ -178,7 +178,7 @@ def _split(
         try:
             if name in (plans or {}):
                 policy.choose(plans[name].treatments)  # type: ignore[index]
-            with _quiet_policy_notices():
+            with quiet_policy_notices():
                 policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
             key: Any = (_same_run(resolve_plan(policy, session.module.adapter).describe(), fake_cpu), loss)
         except PolicyError:
@@ -199,7 +199,7 @@ def _same_run(plan: str, on_cpu: bool) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_policy_notices() -> Iterator[None]:
+def quiet_policy_notices() -> Iterator[None]:
     """Estimating every policy must not print each one's one-time notice (e.g. offload on CPU)."""
     from trainer import policies
 

@@ -3,9 +3,7 @@ settings, how faithful each element is, and what the difference costs (the estim
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -17,7 +15,7 @@ from trainer.estimate import Session, estimate_device, open_session, planner_pla
 from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices, rows
 from trainer.export.spec import TARGETS, Context, ExportRefused, Target, settings_line, target
 from trainer.policies import build_policy, resolve_plan
-from trainer.rundir import write_json_atomic
+from trainer.rundir import check_writable, write_json_atomic, write_text_atomic
 from trainer.schema import Config, OneLineParser, compose_config, describe_user_error
 from trainer.text import MIB, flops_text, markdown_table
 
@@ -207,35 +205,13 @@ def _parser() -> OneLineParser:
     return parser
 
 
-def _check_writable(flag: str, path: Path) -> None:
-    """A file the answer can be written to (its missing folders made then), refused in one line before any work.
-    The nearest existing folder is tried with a file that vanishes on close, not os.access: root passes that
-    everywhere, /proc included."""
-    if path.is_dir():
-        raise ExportRefused(f"{flag} {path} is a folder; give a file path in it")
-    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
-    try:
-        if not folder.is_dir():
-            raise NotADirectoryError(folder)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError:
-        raise ExportRefused(f"{flag} {path}: cannot write under {folder}; give a path in a writable folder") from None
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text.rstrip("\n") + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)  # options may come before, between or after the overrides
     try:
         target(args.to)
         for flag, path in (("--out", args.out), ("--json", args.json_path)):
             if path:
-                _check_writable(flag, Path(path))  # before the work, not after it
+                check_writable(flag, Path(path))  # before the work, not after it
         if args.out and args.json_path and Path(args.out).resolve() == Path(args.json_path).resolve():
             raise ExportRefused(f"--out and --json both name {args.out}; give each a file of its own")
         answer = export(compose_config(args.overrides), args.to, args.target_version, args.device)
@@ -248,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(answer))
     try:
         if args.out:
-            _write_text(Path(args.out), answer.forms[0].text)
+            write_text_atomic(Path(args.out), answer.forms[0].text.rstrip("\n") + "\n")
         if args.json_path:
             path = Path(args.json_path)
             path.parent.mkdir(parents=True, exist_ok=True)

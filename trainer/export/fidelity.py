@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from trainer.errors import PolicyError
 from trainer.estimate import Estimate, Session, measure
-from trainer.estimate.tables import _quiet_policy_notices as quiet_policy_notices
+from trainer.estimate.tables import quiet_policy_notices
 from trainer.export.spec import (
     APPROX,
     EXACT,
