@@ -251,17 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tolerance is not None and (args.tolerance < 0 or math.isnan(args.tolerance)):
         parser.error(f"--tolerance {args.tolerance} must be ≥ 0")
 
-    from trainer.schema import compose_config, describe_user_error
+    from trainer.schema import compose_config, user_error_status
 
     try:
         config = compose_config(args.overrides)
         result = run_check(config, args.steps, args.tolerance)
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return 2
+        return user_error_status(e)
     print(render(result))
     if not result.equal:
         print(f"error: policy={result.policy} differs from none: {result.first_failure}", file=sys.stderr)

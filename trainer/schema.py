@@ -231,6 +231,16 @@ def validate(cfg: DictConfig) -> Config:
         raise ConfigError(str(e)) from None
 
 
+def user_error_status(e: BaseException) -> int:
+    """The tools' ending for a failure: a user error as one `error:` line on stderr and exit status 2; anything else
+    (a real bug) raised again, with its traceback."""
+    line = describe_user_error(e)
+    if line is None:
+        raise e
+    print(f"error: {line}", file=sys.stderr)
+    return 2
+
+
 def describe_user_error(e: BaseException) -> str | None:
     """One line for a mistake in the command line or config; None for anything else (a real bug: traceback)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException

@@ -19,7 +19,7 @@ from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
 from trainer.policies import POLICIES, Plan, build_policy
 from trainer.rundir import check_writable, write_json_atomic
-from trainer.schema import OneLineParser, compose_config
+from trainer.schema import OneLineParser, compose_config, user_error_status
 from trainer.text import MIB, flops_text, markdown_table
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -294,8 +294,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
-    from trainer.schema import describe_user_error
-
     try:
         budget = None if args.budget is None else parse_bytes(args.budget)
         if args.advise and budget is None:
@@ -346,11 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert isinstance(est, Estimate)
         advice, fit = _extras(args, session, est, table, losses, budget, plans, gpus, reserve)
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return 2
+        return user_error_status(e)
     finally:
         if session is not None:
             session.close()

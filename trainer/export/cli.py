@@ -16,7 +16,7 @@ from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form,
 from trainer.export.spec import TARGETS, Context, ExportRefused, Target, settings_line, target
 from trainer.policies import build_policy, resolve_plan
 from trainer.rundir import check_writable, write_json_atomic, write_text_atomic
-from trainer.schema import Config, OneLineParser, compose_config, describe_user_error
+from trainer.schema import Config, OneLineParser, compose_config, user_error_status
 from trainer.text import MIB, flops_text, markdown_table
 
 
@@ -216,11 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ExportRefused(f"--out and --json both name {args.out}; give each a file of its own")
         answer = export(compose_config(args.overrides), args.to, args.target_version, args.device)
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return 2
+        return user_error_status(e)
     print(render(answer))
     try:
         if args.out:
