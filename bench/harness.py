@@ -34,7 +34,7 @@ from trainer import build, estimate
 from trainer.flops import count_flops
 from trainer.loss import LossConfig
 from trainer.module import DecoderModule
-from trainer.policies import POLICIES, Policy, PolicyError, apply_policy
+from trainer.policies import POLICIES, Policy, PolicyError, apply_policy, build_policy
 from trainer.precision import plugin
 from trainer.schema import Config, compose_config
 from trainer.step import StepMeter, bare_step, optimizers_of
@@ -250,6 +250,23 @@ class Harness:
             uncounted_ops=sorted(uncounted.names),
             cuda_peak_allocated_bytes=cuda_peak,
         )
+
+    def profile(self, treatments: Sequence[str] = ("none", "selective", "op_sac", "full"), repeats: int = 5) -> Any:
+        """The planner's profile of this module on its first micro-batch, as policy=auto's callback takes it at fit
+        start (`trainer.planner.profile_model`, the configured loss head, the run's AdamW and clipping)."""
+        from trainer.module import param_groups
+        from trainer.planner import default_optimizer, profile_model
+
+        auto = build_policy({"name": "auto", "budget_mib": 1, "candidates": list(treatments),
+                             "profile_repeats": repeats})  # fmt: skip
+        wd = self.config.optim.weight_decay
+        with quiet_policy_notices():
+            return profile_model(
+                self.module.model, self.batches()[0], auto,
+                loss_fns={self.module.loss_config.name: self.module.loss_of},
+                precision=self.precision, accum=self.config.accum, make_optimizer=default_optimizer(wd),
+                param_groups=param_groups(self.module.model, wd), grad_clip=self.config.trainer.grad_clip,
+            )  # fmt: skip
 
     def timed(self, variant: Variant) -> float:
         self.use(variant)

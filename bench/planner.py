@@ -39,7 +39,16 @@ from typing import Any
 import torch
 
 from bench._readme import README, environment_text, replace_block
-from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices
+from bench.harness import (
+    BenchError,
+    Harness,
+    Variant,
+    bench_config,
+    estimated,
+    estimator_session,
+    quiet_policy_notices,
+    spread,
+)
 from trainer.loss import LossConfig
 from trainer.module import param_groups
 from trainer.planner import (
@@ -53,6 +62,7 @@ from trainer.planner import (
 )
 from trainer.policies import Plan, Policy, PolicyError, build_policy
 from trainer.schema import describe_user_error
+from trainer.steptime import speed_here
 from trainer.text import MIB, mib
 
 START, END = "<!-- planner-table:start -->", "<!-- planner-table:end -->"
@@ -120,6 +130,12 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         rows.append(row)
 
     measured = _measure(h, variants, reps)
+    speed = speed_here(device)
+    session = estimator_session(config, h.device)
+    try:
+        roofline = {t: estimated(session, variants[k]).step_time(speed).ms for t, k in uniform.items()}
+    finally:
+        session.close()
     for row in rows:
         fits = [t for t, k in uniform.items() if measured[k]["peak"] <= row["budget_mib"] * MIB]
         row["uniform"] = min(fits, key=lambda t: measured[uniform[t]]["ms"]) if fits else None
@@ -131,6 +147,9 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         "config": config,
         "predicted": predicted,
         "uniform": {t: measured[k] for t, k in uniform.items()},
+        "roofline": roofline,
+        "speed": speed.describe(),
+        "profile_notes": list(prof.notes),
         "rows": rows,
         "reps": reps,
         "seconds": time.perf_counter() - t0,
@@ -158,6 +177,7 @@ def _measure(h: Harness, variants: dict[str, Variant], reps: int) -> dict[str, d
         times = h.interleaved(variants, reps)
     for key, m in measured.items():
         m["ms"] = statistics.median(times[key]) * 1e3
+        m["spread"] = spread(times[key])
     return measured
 
 
@@ -176,18 +196,20 @@ def tables(out: dict[str, Any]) -> str:
     uniform, rows = out["uniform"], out["rows"]
     configured_loss = out["config"].loss.name
     lines = [
-        "| budget MiB | `auto` plan | predicted MiB | measured MiB | step ms | fastest uniform that fits | "
-        "its measured MiB | its step ms | auto ÷ uniform |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "| budget MiB | `auto` plan | predicted MiB | measured MiB | predicted step ms | measured step ms | "
+        "fastest uniform that fits | its measured MiB | its step ms | auto ÷ uniform |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
         b = row["budget_mib"]
         u = row["uniform"]
         ucells = (
-            f"`{u}` | {mib(uniform[u]['peak'])} | {uniform[u]['ms']:,.0f}" if u is not None else "none fits | — | —"
+            f"`{u}` | {mib(uniform[u]['peak'])} | {uniform[u]['ms']:,.0f} ±{100 * uniform[u]['spread']:.0f}%"
+            if u is not None
+            else "none fits | — | —"
         )
         if "error" in row:
-            lines.append(f"| {b:g} | refused: {row['error']} | | | | {ucells} | — |")
+            lines.append(f"| {b:g} | refused: {row['error']} | | | | | {ucells} | — |")
             continue
         res, m = row["result"], row["measured"]
         plan = f"`{Plan.per_block(res.treatments).describe()}`"
@@ -201,19 +223,29 @@ def tables(out: dict[str, Any]) -> str:
         ratio = f"{m['ms'] / uniform[u]['ms']:.2f}" if u is not None else "—"
         mark = "" if m["peak"] <= b * MIB else " ⚠"
         lines.append(
-            f"| {b:g} | {plan} | {mib(res.solution.peak)} | {mib(m['peak'])}{mark} | {m['ms']:,.0f} | "
-            f"{ucells} | {ratio} |"
+            f"| {b:g} | {plan} | {mib(res.solution.peak)} | {mib(m['peak'])}{mark} | {res.solution.step_ms:,.0f} | "
+            f"{m['ms']:,.0f} ±{100 * m['spread']:.0f}% | {ucells} | {ratio} |"
         )
     lines += [
         "",
-        "Uniform plans, predicted from the one profile vs measured:",
+        "Uniform plans, predicted vs measured (profile: the planner's measured source, the one profile above; "
+        "roofline: the estimator's fake-tensor step costed by `trainer.steptime`):",
         "",
-        "| policy | predicted MiB | measured MiB | predicted step ms | measured step ms |",
-        "|---|---:|---:|---:|---:|",
+        "| policy | predicted MiB | measured MiB | measured step ms | predicted: profile | ÷ measured "
+        "| predicted: roofline | ÷ measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t, s in out["predicted"].items():
-        r = uniform[t]
-        lines.append(f"| `{t}` | {mib(s.peak)} | {mib(r['peak'])} | {s.step_ms:,.0f} | {r['ms']:,.0f} |")
+        r, roof = uniform[t], out["roofline"][t]
+        lines.append(
+            f"| `{t}` | {mib(s.peak)} | {mib(r['peak'])} | {r['ms']:,.0f} ±{100 * r['spread']:.0f}% "
+            f"| {s.step_ms:,.0f} | {s.step_ms / r['ms']:.3f} | {roof:,.0f} | {roof / r['ms']:.3f} |"
+        )
+    order = {k: " < ".join(sorted(out["predicted"], key=f)) for k, f in (
+        ("measured", lambda t: uniform[t]["ms"]), ("profile", lambda t: out["predicted"][t].step_ms),
+        ("roofline", lambda t: out["roofline"][t]))}  # fmt: skip
+    lines += ["", f"Ranking by step time: measured {order['measured']}; profile {order['profile']}; roofline "
+              f"{order['roofline']}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -225,8 +257,10 @@ def header(out: dict[str, Any], command: str = COMMAND) -> str:
         "(`trainer.planner.plan_model`, as at fit start) gives every prediction; each plan is then installed as "
         "training installs it and measured in the same process by `trainer.step.bare_step`, the step as Lightning "
         "runs it: peak = `trainer.step.StepMeter`'s whole-step figure (what runs report as `peak_total_mib`), step "
-        f"time = median of {out['reps']} steps interleaved across plans. Budgets run from the `none` prediction to "
-        "below the most frugal uniform plan's. ⚠: measured above the budget."
+        f"time = median of {out['reps']} steps interleaved across plans (± half the IQR: the run's noise). Budgets run "
+        "from the `none` prediction to below the most frugal uniform plan's. ⚠: measured above the budget. Predicted "
+        f"step times: the profile's (policy.profile_repeats rounds after a warm-up; {'; '.join(out['profile_notes'])}"
+        f") and the roofline's, for {out['speed']}."
     )
 
 
@@ -236,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a conf/model option (model=…)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
-    ap.add_argument("--reps", type=int, default=3, help="timed steps per plan (median)")
+    ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
     ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")

@@ -80,8 +80,10 @@ from bench.harness import (
 )
 from bench.policies_report import report, targets
 from trainer.loss import LOSSES, LossConfig
+from trainer.planner import PeakModel
 from trainer.policies import Policy, policy_params
 from trainer.schema import Config, describe_user_error
+from trainer.steptime import speed_here
 from trainer.text import MIB
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
@@ -339,10 +341,14 @@ def _measure(s: Section, device: torch.device, rounds: int, warmup: int, phases:
         h = Harness(s.config, device)
         h.warm(max(1, warmup))
         out: dict[str, Any] = {"describe": h.describe(), "vocab": h.vocab, "figures": {}, "plans": {}}
+        out["plan_objects"] = {}
         for key, v in s.variants.items():
             out["figures"][key] = h.measure(v)
             out["plans"][key] = h.module.model.activation_plan.describe()
+            out["plan_objects"][key] = h.module.model.activation_plan
         phases["memory_flops"], t0 = time.perf_counter() - t0, time.perf_counter()
+        out["profile"] = h.profile()  # the measured source of the step-time model, as policy=auto takes it
+        phases["planner_profile"], t0 = time.perf_counter() - t0, time.perf_counter()
         out["times"] = h.interleaved(s.variants, rounds, warmup)
         phases["timed_rounds"] = time.perf_counter() - t0
     del h
@@ -387,10 +393,23 @@ def _row(s: Section, index: int, spec: RowSpec, m: dict[str, Any], est: dict[str
         "est_peak_total_mib": None if e is None else e.peak_bytes / MIB,
         "est_flops_ratio": None if e is None or eb is None else e.flops / eb.flops,
         "est_error": est_errors.get(spec.key),
+        "pred_profile_ms": _profile_ms(m, spec),
+        "pred_roofline_ms": None if e is None else e.step_time(m["speed"]).ms,
     }
     if f.cuda_peak_allocated_bytes is not None:
         row["cuda_peak_allocated_mib"] = f.cuda_peak_allocated_bytes / MIB
     return row
+
+
+def _profile_ms(m: dict[str, Any], spec: RowSpec) -> float | None:
+    """The planner's measured-source prediction of a policy row: a plan of single blocks under profiled treatments,
+    with the configured loss head (the profile's)."""
+    prof, plan = m["profile"], m["plan_objects"][spec.key]
+    if spec.kind != "policy" or any(seg.stop - seg.start > 1 for seg in plan.segments):
+        return None
+    if not set(plan.treatments) <= set(prof.treatments):
+        return None
+    return PeakModel(prof).step_ms(plan.treatments)
 
 
 def _overhead_row(s: Section, index: int, vocab: int, overhead: dict[str, list[float]]) -> dict[str, Any]:
@@ -419,6 +438,7 @@ def run_section(
 ) -> dict[str, Any]:
     phases: dict[str, float] = {}
     m = _measure(s, device, rounds, warmup, phases)
+    m["speed"] = speed_here(device)
     t0 = time.perf_counter()
     est, est_errors = _estimates(s, device)
     phases["estimator"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -439,6 +459,8 @@ def run_section(
         "rows": rows,
         "samples": {"step_s": m["times"], "overhead_s": overhead},
         "phase_seconds": phases,
+        "speed": m["speed"].describe(),
+        "profile_notes": list(m["profile"].notes),
     }
 
 

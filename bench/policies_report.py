@@ -58,6 +58,7 @@ def table(result: dict[str, Any]) -> str:
                 f"| {100 * r['head_share']:.0f}% | {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
                 f"| {_flops_cell(r)} | {_f(r['est_flops_ratio'], '.3f')} |"
             )
+    lines += _time_table(policy_rows)
     uncounted = sorted(
         {op for r in result["rows"] if r.get("flops_uncounted") for op in r["flops_uncounted"].split(",")}
     )
@@ -75,6 +76,57 @@ def table(result: dict[str, Any]) -> str:
                 f"±{100 * o['lightning_spread']:.0f}% | {o['step_ratio']:.3f} |",
             ]
     return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float) -> float | None:
+    return None if a is None else a / b
+
+
+def _time_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Step time predicted beside measured: the planner's profile (the measured source) and the estimator's roofline
+    (the predicted source, fake tensors), each ÷ the measured median."""
+    rows = [r for r in rows if r.get("pred_roofline_ms") is not None or r.get("pred_profile_ms") is not None]
+    if not rows:
+        return []
+    out = [
+        "",
+        "| model | policy | measured step ms | predicted: profile | ÷ measured | predicted: roofline | ÷ measured "
+        "| time × none | FLOPs × none |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        prof, roof = r.get("pred_profile_ms"), r.get("pred_roofline_ms")
+        out.append(
+            f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% | {_f(prof, ',.1f')} "
+            f"| {_f(_ratio(prof, r['step_ms']), '.3f')} | {_f(roof, ',.1f')} | {_f(_ratio(roof, r['step_ms']), '.3f')} "
+            f"| {r['step_ratio']:.2f} | {r['flops_ratio']:.3f} |"
+        )
+    return out
+
+
+def rankings(result: dict[str, Any]) -> list[str]:
+    """Per model: the uniform treatments ordered by measured step time and by each prediction."""
+    lines = []
+    for i, section in enumerate(result["sections"]):
+        rows = [r for r in result["rows"] if r["section"] == i and r["kind"] == "policy" and r["name"] in UNIFORM]
+        if len(rows) < 2:
+            continue
+
+        def order(key: str, rows: list[dict[str, Any]] = rows) -> str:
+            if any(r.get(key) is None for r in rows):
+                return "n/a"
+            return " < ".join(r["name"] for r in sorted(rows, key=lambda r: r[key]))
+
+        measured, profile, roofline = order("step_ms"), order("pred_profile_ms"), order("pred_roofline_ms")
+        lines.append(
+            f"- {section['model']}: measured {measured}; profile {profile} "
+            f"({'same' if profile == measured else 'differs'}); roofline {roofline} "
+            f"({'same' if roofline == measured else 'differs'})"
+        )
+    return ["Ranking of the uniform treatments by step time:", "", *lines] if lines else []
+
+
+UNIFORM = ("none", "selective", "op_sac", "full")
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,7 +160,27 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f", **where)
         add("activation peak of full ≤ 1/4 of none", "activation_ratio", "full", TARGETS["full_activation"], ".3f",
             **where)  # fmt: skip
+        for name in UNIFORM:
+            r = by.get(name)
+            if r is None:
+                continue
+            r = {**r, "profile_error": _error(r, "pred_profile_ms"), "roofline_error": _error(r, "pred_roofline_ms")}
+            one = {"by": {name: r}, "model": section["model"]}
+            add(f"{name}: profile-predicted step time within 5 % of measured", "profile_error", name, 0.05, ".1%",
+                **one)  # fmt: skip
+            add(f"{name}: roofline-predicted step time within 15 % of measured", "roofline_error", name, 0.15, ".1%",
+                **one)  # fmt: skip
+        full = by.get("full")
+        if full is not None:
+            gap = {"full": {**full, "gap": abs(full["step_ratio"] - full["flops_ratio"]) / full["flops_ratio"]}}
+            add("full: time × none within 3 % of its FLOPs × none", "gap", "full", 0.03, ".1%",
+                by=gap, model=section["model"])  # fmt: skip
     return out
+
+
+def _error(r: dict[str, Any], key: str) -> float | None:
+    v = r.get(key)
+    return None if v is None else abs(v / r["step_ms"] - 1)
 
 
 def targets_text(items: list[dict[str, Any]]) -> str:
@@ -150,9 +222,14 @@ def header(result: dict[str, Any]) -> str:
         + " Lightning: one `Trainer.fit` of the same `DecoderModule` on a fixed in-memory batch (no logger, "
         "checkpoints or progress bar), each iteration timed from one `on_train_batch_start` to the next, alternating "
         f"with a bare step of a twin module run from that hook; median of per-pair ratios over {m['overhead_pairs']} "
-        f"pairs.{not_run}"
+        f"pairs. Step time predicted: profile = the planner's measured source (`trainer.planner.profile_model` on "
+        "the same module, as policy=auto takes it at fit start: block times scaled to the whole stack's; "
+        "`PeakModel.step_ms` of the plan); roofline = the predicted source (the estimator's fake-tensor step costed "
+        f"by `trainer.steptime` for {result['sections'][0].get('speed', 'this device')}).{not_run}"
     )
 
 
 def report(result: dict[str, Any]) -> str:
-    return header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
+    ranks = rankings(result)
+    return (header(result) + "\n\n" + table(result) + "\n\n" + ("\n".join(ranks) + "\n\n" if ranks else "")
+            + targets_text(result["targets"]))  # fmt: skip

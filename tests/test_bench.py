@@ -114,7 +114,16 @@ def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
         assert text in head
     assert ("(native bf16)" in head) is native
     assert "Not run: `auto`" in head
-    assert [t["target"].split()[0] for t in data["targets"]] == ["full", "selective", "Lightning", "activation"]
+    uniform = [f"{t}:" for t in ("none", "selective", "op_sac", "full") for _ in ("profile", "roofline")]
+    assert [t["target"].split()[0] for t in data["targets"]] == ["full", "selective", "Lightning", "activation",
+                                                                   *uniform, "full:"]  # fmt: skip
+    # both step-time sources predicted every uniform policy; composite plans (groups) have the roofline only
+    rows = {r["name"]: r for r in data["rows"] if r["kind"] == "policy"}
+    for t in ("none", "selective", "op_sac", "full"):
+        assert rows[t]["pred_profile_ms"] > 0 and rows[t]["pred_roofline_ms"] > 0
+    assert rows["every_k"]["pred_profile_ms"] is None and rows["every_k"]["pred_roofline_ms"] > 0
+    assert "| predicted: profile | ÷ measured | predicted: roofline |" in table
+    assert "Ranking of the uniform treatments by step time:" in table
     # --write-readme on the copy: the block between the markers is the printed one, the rest as it was
     before, after = (ROOT / "README.md").read_text(), micro_run["readme"].read_text()
     assert f"{bench.START}\n{table}\n{bench.END}" in after

@@ -259,6 +259,24 @@ def test_cli_llama_at_size_prints_the_table_verdict_and_json(tmp_path: Path) -> 
     heads = {k: v["head_bytes"] for k, v in data["loss_heads"].items()}
     # at vocab 128,256 the logits dominate the head; what stays is the weight's bf16 copy and (tied) gradient buffer
     assert heads["chunked"] < heads["standard"] / 2 and heads["fused"] < heads["standard"] / 2
+    # --device cuda without --gpu: step times predicted for the reference GPU, labelled, with their assumptions
+    assert data["step_time_device"] == "H100-80GB" and "collectives not costed" in data["step_time_assumptions"]
+    t = e["predicted_step"]
+    assert t["device"] == "H100-80GB" and t["ms"] >= t["matmul_ms"] > 0
+    assert t["tokens_per_s"] == pytest.approx(2 * 2048 / (t["ms"] / 1e3))
+    assert e["work"]["flops"] == e["flops"] and e["work"]["sac_decisions"] == 0  # full recompute: no SAC
+    assert "predicted step ms | predicted tokens/s |" in r.stdout
+    assert "step time predicted (not measured) for H100-80GB" in r.stdout
+
+
+def test_cli_gpu_names_the_device_and_refuses_a_wrong_one() -> None:
+    r = _cli("model=micro", "seq_len=32", "--policies", "configured", "--gpu", "l4-24gb")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step time predicted (not measured) for L4-24GB" in r.stdout and "device=cuda" in r.stdout
+    for args in (["--gpu", "Z9000"], ["--gpu", "L4-24GB", "--device", "cpu"]):
+        bad = _cli("model=micro", "seq_len=32", "--policies", "configured", *args)
+        assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu "), bad.stderr
+        assert bad.stderr.count("\n") == 1, bad.stderr
 
 
 def test_cli_bad_override_is_one_line_exit_2() -> None:
@@ -309,7 +327,8 @@ def test_cli_estimates_the_plan_the_planner_chose(
     from trainer.policies import Plan
 
     chosen = Plan.per_block(["full", "none"])
-    monkeypatch.setattr(est_module, "planner_plan", lambda config, device: (chosen, "standard", "PLANNER: [0]:full"))
+    plan = (chosen, "standard", "PLANNER: [0]:full")
+    monkeypatch.setattr(est_module, "planner_plan", lambda config, device, speed=None: plan)
     assert main(["model=micro", "seq_len=32", "policy=auto", "policy.budget_mib=100"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("PLANNER: [0]:full")

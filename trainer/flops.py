@@ -89,6 +89,15 @@ def _register_grouped_mm_formula() -> None:
 _register_grouped_mm_formula()
 
 
+# SAC decisions made so far in this process: torch's SAC mode runs above any counting mode on the mode stack and leaves
+# no mark on the ops it passes down, so op_sac's policy function counts itself (trainer.steptime costs each).
+SAC_DECISIONS = {"count": 0}
+
+
+def count_sac_decision() -> None:
+    SAC_DECISIONS["count"] += 1
+
+
 def flop_counter() -> _fc.FlopCounterMode:
     """A quiet FlopCounterMode (no table printed on exit) that knows the CPU SDPA kernels."""
     return _fc.FlopCounterMode(display=False)

@@ -20,6 +20,15 @@ from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_si
 from trainer.policies import POLICIES, Plan, build_policy
 from trainer.rundir import check_writable, write_json_atomic
 from trainer.schema import OneLineParser, compose_config, user_error_status
+from trainer.steptime import (
+    GPU_BANDWIDTH_EFFICIENCY,
+    GPU_MATMUL_EFFICIENCY,
+    REFERENCE_GPU,
+    Speed,
+    StepTime,
+    gpu_speed,
+    speed_for,
+)
 from trainer.text import MIB, flops_text, markdown_table
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -54,9 +63,10 @@ def render(
     table: dict[str, Estimate | str],
     losses: dict[str, Estimate | str],
     budget: int | None,
+    speed: Speed | None = None,
 ) -> str:
-    """The report: the configured policy's breakdown, its FLOPs, every policy and every loss head side by side, the
-    verdict."""
+    """The report: the configured policy's breakdown, its FLOPs, every policy and every loss head side by side (with
+    `speed`, each one's predicted step time on that device), the verdict."""
     none = table.get("none")
     base = none.flops if isinstance(none, Estimate) else est.flops
     lines = _header(session, est) + _memory(est)
@@ -66,9 +76,12 @@ def render(
         f"forward {flops_text(est.fwd_flops)}, backward {flops_text(est.bwd_flops)} (recompute included) "
         f"= {est.flops / base:.3f}× the FLOPs of `none`",
         "",
-        _policy_table(est, table, base, budget),
+        _policy_table(est, table, base, budget, speed),
         "(* the configured policy; the others with their conf/policy defaults)",
     ]
+    if speed is not None:
+        lines += [f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.steptime:"]
+        lines += [f"  assumption: {a}" for a in speed.assumptions]
     if losses:
         config = session.config
         lines += [
@@ -76,7 +89,7 @@ def render(
             f"loss heads under policy={est.policy} (loss.chunk_tokens="
             f"{config.loss.chunk_for(config.batch_size * config.seq_len)}):",
             "",
-            _loss_table(est, losses),
+            _loss_table(est, losses, speed),
         ]
     if budget is not None:
         ok = est.fits(budget)
@@ -129,36 +142,48 @@ def _memory(est: Estimate) -> list[str]:
     return lines
 
 
-def _policy_table(est: Estimate, table: dict[str, Estimate | str], base: float, budget: int | None) -> str:
+def _time_cells(e: Estimate, speed: Speed | None) -> tuple[str, ...]:
+    if speed is None:
+        return ()
+    t = e.step_time(speed)
+    return (f"{t.ms:,.1f}", f"{t.tokens_per_s(e.tokens):,.0f}")
+
+
+def _policy_table(
+    est: Estimate, table: dict[str, Estimate | str], base: float, budget: int | None, speed: Speed | None = None
+) -> str:
     rows = []
+    timed = ("predicted step ms", "predicted tokens/s") if speed is not None else ()
+    pinned = any(isinstance(e, Estimate) and e.host_pinned_bytes for e in table.values())  # offload on a CPU: none
     for name, e in table.items():
         star = " *" if name == est.policy else ""
         if isinstance(e, str):
-            rows.append((f"{name}{star}", f"n/a: {e}", "", "", "", "", ""))
+            rows.append((f"{name}{star}", f"n/a: {e}") + ("",) * (5 + len(timed) + pinned))
             continue
         fits = "—" if budget is None else ("yes" if e.fits(budget) else "no")
         rows.append((f"{name}{star}", _short(e.plan), _mib(e.activation_bytes), _mib(e.head_bytes),
-                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", fits, _mib(e.host_pinned_bytes)))  # fmt: skip
+                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", *_time_cells(e, speed), fits)
+                    + ((_mib(e.host_pinned_bytes),) if pinned else ()))  # fmt: skip
     fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
-    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", fits_head,
-              "host pinned MiB")  # fmt: skip
-    if not any(isinstance(e, Estimate) and e.host_pinned_bytes for e in table.values()):
-        header, rows = header[:-1], [r[:-1] for r in rows]  # offload on a CPU: nothing leaves the device
-    return markdown_table(header, rows, "llrrrrlr")
+    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", *timed, fits_head,
+              *(("host pinned MiB",) if pinned else ()))  # fmt: skip
+    return markdown_table(header, rows, "llrrrr" + "r" * len(timed) + "l" + "r" * pinned)
 
 
-def _loss_table(est: Estimate, losses: dict[str, Estimate | str]) -> str:
+def _loss_table(est: Estimate, losses: dict[str, Estimate | str], speed: Speed | None = None) -> str:
     std = losses.get("standard")
     rows = []
     for name, e in losses.items():
         star = " *" if name == est.loss else ""
         if isinstance(e, str):
-            rows.append((f"{name}{star}", f"n/a: {e}", "", "", ""))
+            rows.append((f"{name}{star}", f"n/a: {e}", "", "", "") + ("", "") * (speed is not None))
             continue
         ratio = e.flops / std.flops if isinstance(std, Estimate) else 1.0
-        rows.append((f"{name}{star}", _mib(e.head_bytes), _mib(e.activation_bytes), _mib(e.peak_bytes), f"{ratio:.3f}"))
+        rows.append((f"{name}{star}", _mib(e.head_bytes), _mib(e.activation_bytes), _mib(e.peak_bytes), f"{ratio:.3f}",
+                     *_time_cells(e, speed)))  # fmt: skip
     header = ("loss", "head MiB", "activation peak MiB", "total MiB", "FLOPs × standard")
-    return markdown_table(header, rows, "lrrrr")
+    header += ("predicted step ms", "predicted tokens/s") if speed is not None else ()
+    return markdown_table(header, rows, "lrrrrrr")
 
 
 def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: Sequence[str]) -> str:
@@ -174,6 +199,40 @@ def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: S
         "",
         markdown_table(header, rows, "lrrll"),
     ])  # fmt: skip
+
+
+def fit_times(fit: FitTable, table: dict[str, Estimate | str], gpus: list[Gpu]) -> dict[tuple[str, str], StepTime]:
+    """Each cell that fits: its predicted step time per rank on that GPU, from the policy's estimate (the ranks of
+    FSDP2 each run their own micro-batches: the same ops but the optimizer's shard; collectives not costed). A
+    catalogue entry without tflops or bandwidth has none."""
+    by_name = {g.name: g for g in gpus}
+    out = {}
+    for c in fit.cells:
+        e = table.get(c.policy)
+        gpu = by_name.get(c.gpu)
+        if c.world_size is None or not isinstance(e, Estimate) or gpu is None or not (gpu.tflops and gpu.bandwidth):
+            continue
+        out[(c.gpu, c.policy)] = e.step_time(gpu_speed(gpu))
+    return out
+
+
+def render_fit_by_time(fit: FitTable, times: dict[tuple[str, str], StepTime], tokens: int) -> str:
+    """The cells that fit, fastest first by predicted step time per rank."""
+    by = {(c.gpu, c.policy): c for c in fit.cells}
+    rows = []
+    for (g, p), t in sorted(times.items(), key=lambda kv: kv[1].ms):
+        w = by[(g, p)].world_size or 1
+        rows.append((g, p, str(w), f"{t.ms:,.1f}", f"{t.tokens_per_s(tokens) * w:,.0f}"))
+    header = ("GPU", "policy", "world size", "predicted step ms per rank", "predicted tokens/s, all ranks")
+    return "\n".join(
+        [
+            "where it fits, fastest first (predicted, not measured: trainer.steptime's roofline at the catalogue's "
+            f"peaks × {GPU_MATMUL_EFFICIENCY:.0%} matmul, × {GPU_BANDWIDTH_EFFICIENCY:.0%} bandwidth; collectives "
+            "not costed):",
+            "",
+            markdown_table(header, rows, "llrrr"),
+        ]
+    )
 
 
 def render_fit(fit: FitTable) -> str:
@@ -210,11 +269,18 @@ def to_json(
     table: dict[str, Estimate | str],
     losses: dict[str, Estimate | str],
     budget: int | None,
+    speed: Speed | None = None,
 ) -> dict[str, Any]:
     config = session.config
 
     def one(v: Estimate | str) -> dict[str, Any]:
-        return v.to_json() | {"fits": v.fits(budget)} if isinstance(v, Estimate) else {"error": v}
+        if not isinstance(v, Estimate):
+            return {"error": v}
+        doc = v.to_json() | {"fits": v.fits(budget)}
+        if speed is not None:
+            t = v.step_time(speed)
+            doc["predicted_step"] = t.to_json() | {"tokens_per_s": t.tokens_per_s(v.tokens)}
+        return doc
 
     return {
         "config": {
@@ -228,10 +294,12 @@ def to_json(
         },
         "device": est.device,
         "assumptions": list(dict.fromkeys(est.notes)),
+        "step_time_device": None if speed is None else speed.name,
+        "step_time_assumptions": [] if speed is None else list(speed.assumptions),
         "budget_bytes": budget,
         "policy": est.policy,
         "fits": est.fits(budget),
-        "estimate": est.to_json(),
+        "estimate": one(est),
         "all_policies": {k: one(v) for k, v in table.items()},
         "loss_heads": {k: one(v) for k, v in losses.items()},
     }
@@ -266,6 +334,13 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--catalogue", action="append", metavar="PATH", help="--fit: more GPUs: a yaml file or a folder of them"
     )
+    parser.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="predict step times for this catalogue GPU (implies --device cuda; default with "
+        f"cuda: {REFERENCE_GPU}; on cpu: this CPU, calibrated)",
+    )
+    parser.add_argument("--no-time", action="store_true", help="leave the predicted step times out")
     parser.add_argument(
         "--max-world", type=int, default=64, metavar="N", help="the largest FSDP2 world size tried (default 64)"
     )
@@ -302,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--max-world {args.max_world}: give 2 to {MAX_WORLD}")
         reserve = Reserve.parse(args.reserve) if args.fit else None
         gpus = list(load_catalogue(args.catalogue).values()) if args.fit else []
+        if args.gpu and args.device == "cpu":
+            raise ValueError(f"--gpu {args.gpu} predicts a GPU's step time: drop --device cpu (it implies cuda)")
         if args.json_path:
             check_writable("--json", Path(args.json_path))  # before the work, not after it
     except (ValueError, UserError) as e:
@@ -311,14 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = compose_config(args.overrides)
         policy = build_policy(config.policy)
-        device = estimate_device(config, args.device or ("cuda" if args.fit else None))
+        device = estimate_device(config, args.device or ("cuda" if args.fit or args.gpu else None))
+        speed = None if args.no_time else speed_for(device, args.gpu, args.catalogue)
         plans: dict[str, Plan] = {}
         preface = ""
         if policy.planned_first:
             if config.model.family != "hf":
                 with quiet_policy_notices():
                     policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line, exit 2
-            plan, loss_name, preface = planner_plan(config, device)
+            plan, loss_name, preface = planner_plan(config, device, speed)
             plans = {policy.cfg.name: plan}
             policy.choose(plan.treatments)
             if loss_name and loss_name != config.loss.name:
@@ -350,19 +428,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             session.close()
     if preface:
         print(preface.rstrip() + "\n")
-    print(render(session, est, table, losses, budget))
+    print(render(session, est, table, losses, budget, speed))
     if advice is not None:
         assert budget is not None
         print("\n" + render_advice(est, advice, budget, args.overrides))
+    times = fit_times(fit, table, gpus) if fit is not None and not args.no_time else {}
     if fit is not None:
         print("\n" + render_fit(fit))
+        if times:
+            print("\n" + render_fit_by_time(fit, times, est.tokens))
     if args.json_path:
         path = Path(args.json_path)
-        doc = to_json(session, est, table, losses, budget)
+        doc = to_json(session, est, table, losses, budget, speed)
         if advice is not None:
             doc["advice"] = {"peak": where_the_peak_is(est), "rows": [a.to_json(args.overrides) for a in advice]}
         if fit is not None:
             doc["fit"] = fit.to_json()
+            for cell in doc["fit"]:
+                t = times.get((cell["gpu"], cell["policy"]))
+                cell["predicted_step_ms"] = None if t is None else t.ms
             doc["fit_reserve"] = fit.reserve.describe()
             doc["fit_worlds_estimated"] = fit.worlds_estimated
         try:

@@ -1,6 +1,6 @@
 """A configuration's plan: the planner run on the configured model (as a run builds it) and a random micro-batch of
 the configured shape, on fake tensors (the estimator's session: a model of any size, bytes as measured, times as
-FLOPs) or on real ones (the device the run would train on)."""
+the step-time model predicts them) or on real ones (the device the run would train on)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ from trainer.module import DecoderModule, param_groups
 from trainer.planner import PlanResult, default_optimizer, head_candidates, plan_model
 from trainer.policies import Plan, Policy, build_policy
 from trainer.schema import Config
+from trainer.steptime import Speed
 
 
-def plan_module(config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str) -> PlanResult:
-    """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping."""
+def plan_module(
+    config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str, speed: Speed | None = None
+) -> PlanResult:
+    """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping; on
+    fake tensors its times are predicted for `speed` (default: trainer.steptime.speed_for the device)."""
     policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
         module.model,
@@ -32,13 +36,17 @@ def plan_module(config: Config, module: DecoderModule, policy: Policy, batch: An
         make_optimizer=default_optimizer(config.optim.weight_decay),
         param_groups=param_groups(module.model, config.optim.weight_decay),
         grad_clip=config.trainer.grad_clip,
+        speed=speed,
     )
 
 
-def plan_result_for_config(config: Config, device: torch.device | str | None = None, fake: bool = False) -> PlanResult:
+def plan_result_for_config(
+    config: Config, device: torch.device | str | None = None, fake: bool = False, speed: Speed | None = None
+) -> PlanResult:
     """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
     configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (the estimator's
-    session), so a model of any size is planned without its memory: bytes are as measured, times are FLOPs."""
+    session), so a model of any size is planned without its memory: bytes are as measured, times are predicted
+    for `speed` (trainer.steptime)."""
     policy = build_policy(config.policy)
     if not policy.planned_first:
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
@@ -47,7 +55,7 @@ def plan_result_for_config(config: Config, device: torch.device | str | None = N
         with contextlib.closing(session), session.active():
             for p in session.module.parameters():  # the profile measures its own state from none
                 p.grad = None
-            return plan_module(config, session.module, policy, session.batches[0], session.precision)
+            return plan_module(config, session.module, policy, session.batches[0], session.precision, speed)
     device = torch.device(device if device is not None else build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
     cpu = torch.get_rng_state()
@@ -66,7 +74,7 @@ def plan_result_for_config(config: Config, device: torch.device | str | None = N
 
 
 def plan_for_config(
-    config: Config, device: torch.device | str | None = None, fake: bool = False
+    config: Config, device: torch.device | str | None = None, fake: bool = False, speed: Speed | None = None
 ) -> tuple[Plan, str, str]:
     """What `python -m trainer.estimate policy=auto policy.budget_mib=…` prints: the plan, its loss head and its
     explanation.
@@ -76,12 +84,12 @@ def plan_for_config(
     arrive at the same plan up to timing noise between near-equal plans. Raises the one-line PolicyError when
     nothing fits.
     """
-    result = plan_result_for_config(config, device, fake)
+    result = plan_result_for_config(config, device, fake, speed)
     return result.plan, result.loss, result.text()
 
 
-def planner_plan(config: Config, device: str) -> tuple[Plan, str, str]:
+def planner_plan(config: Config, device: str, speed: Speed | None = None) -> tuple[Plan, str, str]:
     """A planned policy's plan, loss head and explanation (a PolicyError when none fits), profiled on fake tensors
-    like the rest of the estimate: bytes as a run measures them, step times ranked by FLOPs (a run plans on
-    measured times, so near-equal plans may differ)."""
-    return plan_for_config(config, device, fake=True)
+    like the rest of the estimate: bytes as a run measures them, step times predicted for `speed` by the step-time
+    model (a run plans on measured times, so near-equal plans may differ)."""
+    return plan_for_config(config, device, fake=True, speed=speed)

@@ -27,6 +27,7 @@ from trainer.loss import LossConfig
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.policies.offload import HostLedger, offload_to_ledger
 from trainer.schema import Config, ConfigError, model_vocab
+from trainer.steptime import OpTrace, Speed, StepTime, Work
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     total_peak_at: str = ""  # what the op that set the step's peak belongs to ("layer 3", "backward", "optimizer")
     host_pinned_bytes: int = 0  # offload's copies in pinned host memory at most (per rank; --device cuda)
+    work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.steptime)
+    tokens: int = 0  # per optimizer step, per rank
+
+    def step_time(self, speed: Speed) -> StepTime:
+        """The step's predicted time on `speed`'s device (trainer.steptime)."""
+        return speed.predict(self.work)
 
     @property
     def flops(self) -> int:
@@ -137,7 +144,8 @@ class Estimate:
         return None if budget_bytes is None else self.peak_bytes <= budget_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "flops": self.flops}
+        doc = {k: v for k, v in asdict(self).items() if k != "work"}
+        return {**doc, "flops": self.flops, "work": self.work.to_json()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -412,8 +420,6 @@ def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def measure(session: Session, policy: Policy, loss: LossConfig | None = None) -> Estimate:
     """`policy` (and `loss`, else the configured head) on the session's module: one step, its figures."""
-    from trainer.flops import FlopTally
-
     module = session.module
     configured_loss = module.loss_config
     if loss is not None:
@@ -424,7 +430,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
             apply_policy(module.model, policy)
             plan = module.model.activation_plan
             meter = step_.StepMeter(device_type=None, regions=True)
-            counter = FlopTally()
+            counter = OpTrace()
             forward: dict[str, int] = {}
             with counter:
                 try:
@@ -442,6 +448,9 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         notes.append("loss=fused is one op to the tracker: its per-chunk workspace inside (≈ chunk_tokens × vocab × "
                      "4 B) is not counted (trainer/loss.py)")  # fmt: skip
     total_flops = counter.total
+    work = counter.work
+    work.host_copy_bytes = 2 * session.host.copied
+    work.prefetch = bool(policy.treatment_policy("offload").cfg.prefetch)
     fwd = forward.get("flops", 0) * accum
     layers = [figures.after_forward.get(f"layer {i}", 0) for i in range(module.adapter.n_layer)]
     return Estimate(
@@ -464,6 +473,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         notes=notes,
         total_peak_at=figures.total_phase,
         host_pinned_bytes=session.host.peak,
+        work=work,
+        tokens=accum * session.config.batch_size * session.config.seq_len,
     )
 
 

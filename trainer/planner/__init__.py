@@ -33,11 +33,10 @@ from trainer.planner.plan import (
     profile_model,
     solve_profile,
 )
-from trainer.planner.profiler import FAKE_MS_NOTE, profile
+from trainer.planner.profiler import profile
 
 __all__ = [
     "BOOKKEEPING",
-    "FAKE_MS_NOTE",
     "Cost",
     "PeakModel",
     "PlanResult",

@@ -19,6 +19,7 @@ from trainer.planner.explain import PlanResult, refusal
 from trainer.planner.peak import PeakModel, Profile
 from trainer.planner.profiler import profile
 from trainer.policies import Policy, build_policy
+from trainer.steptime import Speed
 from trainer.text import MIB
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -107,6 +108,7 @@ def profile_model(
     grad_clip: float = 0.0,
     resident: Sequence[torch.Tensor] = (),
     timing: bool = True,
+    speed: Speed | None = None,
 ) -> Profile:
     """The planner's view of `model` on `batch` under `policy`'s candidates (auto's config), one Profile per loss
     head in `loss_fns` (the configured head first); the RNG is left as it was found."""
@@ -123,9 +125,11 @@ def profile_model(
             treatments=treatments,
             policy=policy,
             repeats=policy.cfg.profile_repeats,
+            warmup=policy.cfg.profile_warmup,
             grad_clip=grad_clip,
             timing=timing,
             resident=resident,
+            speed=speed,
         )
     for p in prof.heads.values():
         p.notes[:0] = notes

@@ -8,8 +8,10 @@ measuring callback reports as `peak_total_mib`):
   plan that gives this block the treatment and every other block `none`): the bytes it keeps from its forward
   until its backward (its input included, its output left to the next block), before and after autocast lets go of
   its weight copies; the peak of its forward; the extra bytes at the peak of its backward (recompute, gradients in
-  flight, its parameters' new gradients); and its forward and backward time (median of `repeats`, pooled over
-  blocks of identical structure, whose bytes are identical too and are measured once);
+  flight, its parameters' new gradients); and its forward and backward time (the median of `repeats` rounds after
+  `warmup`, each round running every treatment once, order rotated), measured once per group of blocks of identical
+  structure, whose bytes and times are identical too; on fake tensors the times are the step-time model's
+  prediction (trainer.steptime) for the device the estimate is for;
 * the rest of the model (embedding and loss head) in the same way, with the block stack cut out, once per loss
   head the planner may choose;
 * the training state: parameters and buffers, gradients, optimizer state (a throw-away optimizer of the run's
@@ -19,6 +21,7 @@ measuring callback reports as `peak_total_mib`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -35,6 +38,7 @@ from trainer.memory import LiveTensorTracker
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 from trainer.step import optimizer_phase
+from trainer.steptime import Speed, speed_for, trace
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Context = tuple[tuple[Any, ...], dict[str, Any]]  # a layer's arguments after the hidden states
@@ -82,22 +86,16 @@ class _Timer:
         return out, (time.perf_counter() - t0) * 1e3
 
 
-# Fake tensors (the estimator's planner) have no clock: a run's "milliseconds" are its FLOPs at this rate, which ranks
-# plans by the compute they spend (recompute included), not by what a device would take.
-FAKE_FLOPS_PER_MS = 1e9  # 1 TFLOP/s: a "millisecond" is a GFLOP
-FAKE_MS_NOTE = "fake tensors: each 'ms' is a GFLOP (FLOPs at 1 TFLOP/s), a ranking by compute, not a time"
-
-
 @dataclass
-class _FlopClock:
-    """The planner's clock on fake tensors: FLOPs (torch's formulas) at FAKE_FLOPS_PER_MS."""
+class _RooflineClock:
+    """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.steptime) against
+    the device the estimate is for."""
+
+    speed: Speed
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
-        from trainer.flops import FlopTally
-
-        with FlopTally() as tally:
-            out = fn()
-        return out, tally.total / FAKE_FLOPS_PER_MS
+        out, work = trace(fn)
+        return out, self.speed.predict(work).ms
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -120,12 +118,22 @@ class _Run:
     repeats: int
     device_type: str
     timing: bool
+    warmup: int = 1
+
+    @property
+    def rounds(self) -> int:
+        """Timed rounds: a clock of FLOPs and bytes (fake tensors) gives the same figure every time."""
+        return (1 if isinstance(self.timer, _RooflineClock) else self.repeats) if self.timing else 0
 
     def tracker(self) -> LiveTensorTracker:
         return LiveTensorTracker(record_timeline=True, device=self.device_type)
 
     def median_ms(self, fn: Callable[[], float]) -> float:
-        return statistics.median([fn() for _ in range(self.repeats)]) if self.timing else 0.0
+        if not self.rounds:
+            return 0.0
+        for _ in range(self.warmup if self.rounds > 1 else 0):
+            fn()
+        return statistics.median([fn() for _ in range(self.rounds)])
 
 
 def _run_block(
@@ -176,10 +184,12 @@ def profile(
     accum: int = 1,
     treatments: Sequence[str] = ("none", "selective", "op_sac", "full"),
     policy: Policy | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     grad_clip: float = 0.0,
     timing: bool = True,
     resident: Sequence[torch.Tensor] = (),
+    warmup: int = 1,
+    speed: Speed | None = None,
 ) -> Profile:
     """Measure what the planner needs on one micro-batch (see the module docstring).
 
@@ -191,7 +201,10 @@ def profile(
     parameters and stepped on zero gradients, which leaves every parameter bit-for-bit as it was. The caller
     restores RNG state if it matters (dropout draws from it). `resident`: training-state tensors already on the
     device that the profile measures anyway (a resumed run's optimizer state), so that they are not also counted as
-    memory the tracker cannot see (CUDA).
+    memory the tracker cannot see (CUDA). Times: on real tensors, `warmup` untimed rounds then the median of
+    `repeats` rounds, each round running every treatment once (order rotated, so a shared machine's drift falls on
+    all alike); on fake tensors the step-time model's prediction for `speed` (default: this CPU calibrated, or
+    the reference GPU for a CUDA estimate).
     """
     policy = policy or build_policy({"name": "per_block", "pattern": ["none"]})
     losses = dict(loss_fn) if isinstance(loss_fn, Mapping) else {"": loss_fn}
@@ -201,10 +214,11 @@ def profile(
     run = _Run(
         adapter=adapter,
         forward_context=precision_.plugin(precision, device.type).forward_context,
-        timer=_FlopClock() if fake else _Timer(device),
+        timer=_RooflineClock(speed or speed_for(device.type)) if fake and timing else _Timer(device),
         repeats=repeats,
         device_type=device.type,
         timing=timing,
+        warmup=warmup,
     )
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
@@ -228,7 +242,81 @@ def profile(
         untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
     shape = {"micro_batch": batch[0].shape[0], "seq_len": batch[0].shape[1], "accum": accum, "precision": precision,
              "device": device.type, "untracked": untracked}  # fmt: skip
-    return _assemble(treatments, blocks, rests, opt, shape, policy, [FAKE_MS_NOTE] if fake else [])
+    notes = [f"step times predicted for {run.timer.speed.name}"] if isinstance(run.timer, _RooflineClock) else []
+    prof = _assemble(treatments, blocks, rests, opt, shape, policy, notes)
+    if run.rounds > 1:
+        _in_the_chain(run, prof, batch, next(iter(losses.values())), policy)
+    return prof
+
+
+def _chainable(prof: Profile, t: str, device: torch.device) -> bool:
+    """Whether the whole stack under `t` can run here: on CUDA only where its predicted peak fits what is free."""
+    if device.type != "cuda":
+        return True
+    from trainer.planner.peak import PeakModel
+
+    free, _ = torch.cuda.mem_get_info(device)
+    peak = PeakModel(prof).evaluate([t] * prof.n_layer).peak
+    return peak - torch.cuda.memory_allocated(device) <= 0.9 * free
+
+
+def _in_the_chain(run: _Run, prof: Profile, batch: Batch, loss_fn: Callable[..., torch.Tensor], policy: Policy) -> None:
+    """Block times as the step sees them: a block timed alone runs on data its forward left in cache, where in the
+    step the other blocks' work comes between its forward and its backward. So the whole model runs, forward and
+    backward, under each uniform plan that fits (rounds interleaved, after the warm-up); its time less the rest's
+    (embedding, head) is the blocks' share, and each treatment's blocks are scaled to it (a treatment that cannot run
+    whole takes the others' mean scale). The blocks' bytes are left as measured."""
+    adapter, L = run.adapter, prof.n_layer
+    device = batch[0].device
+    chained = [t for t in prof.treatments if _chainable(prof, t, device)]
+    if not chained:
+        return
+    params = list(adapter.model.parameters())
+    saved = [p.grad for p in params]
+    times: dict[str, list[float]] = {t: [] for t in chained}
+
+    def once(t: str) -> float:
+        install_plan(adapter, Plan.per_block([t] * L), policy)
+        try:
+
+            def fwd_bwd() -> None:
+                with run.forward_context():
+                    loss = loss_fn(batch)
+                loss.backward()
+
+            _, ms = run.timer(fwd_bwd)
+        finally:
+            remove_policy(adapter.model)
+            for p in params:
+                p.grad = None
+        return ms
+
+    try:
+        for p in params:
+            p.grad = None
+        for r in range(run.warmup + run.rounds):
+            k = r % len(chained)
+            for t in chained[k:] + chained[:k]:
+                ms = once(t)
+                if r >= run.warmup:
+                    times[t].append(ms)
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+    scale: dict[str, float] = {}
+    for t in chained:
+        alone = sum(prof.costs[i][t].ms for i in range(L))
+        if alone > 0:
+            scale[t] = max(0.0, statistics.median(times[t]) - prof.rest_ms) / alone
+    mean = statistics.mean(scale.values()) if scale else 1.0
+    for costs in prof.costs:
+        for t, c in costs.items():
+            f = scale.get(t, mean)
+            costs[t] = dataclasses.replace(c, fwd_ms=c.fwd_ms * f, bwd_ms=c.bwd_ms * f)
+    prof.notes.append(
+        "block times scaled to the whole stack's under each uniform plan: "
+        + ", ".join(f"{t} ×{f:.2f}" for t, f in scale.items())
+    )
 
 
 def _assemble(
@@ -315,9 +403,9 @@ class _BlockBench:
     def once(self, i: int, x_from: int, tracker: LiveTensorTracker | None = None) -> dict[str, float]:
         return _run_block(self.run, self.blocks[i], self.inputs[x_from], self.contexts[i], self.seed_w, tracker)
 
-    def measure(self, members: Sequence[int], t: str, timed: bool) -> tuple[dict[str, float], tuple[float, float]]:
-        """The bytes of the group's first block under `t` (after a warm-up: lazy init, SAC contexts, allocator),
-        and the median forward and backward time over the group's blocks in turn, all on the first one's input."""
+    def measure(self, members: Sequence[int], t: str) -> dict[str, float]:
+        """The bytes of the group's first block under `t`, after a warm-up run (lazy init, SAC contexts,
+        allocator)."""
         first = members[0]
         self.install(first, t)
         try:
@@ -325,25 +413,36 @@ class _BlockBench:
             self.clear_grads([first])
             tracker = self.run.tracker()
             with tracker:
-                memory = self.once(first, first, tracker)
-            runs = []
-            for r in range(self.run.repeats if timed and self.run.timing else 0):
-                i = members[r % len(members)]
-                if i != first:
-                    self.install(i, t)
-                try:
-                    runs.append(self.once(i, first))
-                finally:
-                    if i != first:
-                        self.uninstall(i)
-            times = (
-                statistics.median([m["fwd_ms"] for m in runs]) if runs else 0.0,
-                statistics.median([m["bwd_ms"] for m in runs]) if runs else 0.0,
-            )
+                return self.once(first, first, tracker)
         finally:
             self.uninstall(first)
             self.clear_grads(members)
-        return memory, times
+
+    def time_rounds(
+        self, firsts: Sequence[int], treatments: Sequence[str]
+    ) -> dict[tuple[int, str], tuple[float, float]]:
+        """Forward and backward time of each (group's first block, treatment): `warmup` untimed rounds, then the
+        median of the timed ones; every round runs each pair once, the order rotated by the round."""
+        pairs = [(i, t) for i in firsts for t in treatments]
+        runs: dict[tuple[int, str], list[dict[str, float]]] = {pair: [] for pair in pairs}
+        rounds = self.run.rounds
+        warmup = self.run.warmup if rounds > 1 else 0
+        for r in range(warmup + rounds):
+            k = r % len(pairs)
+            for i, t in pairs[k:] + pairs[:k]:
+                self.install(i, t)
+                try:
+                    m = self.once(i, i)
+                finally:
+                    self.uninstall(i)
+                    self.clear_grads([i])
+                if r >= warmup:
+                    runs[(i, t)].append(m)
+        return {
+            pair: (statistics.median(m["fwd_ms"] for m in ms), statistics.median(m["bwd_ms"] for m in ms))
+            if ms else (0.0, 0.0)
+            for pair, ms in runs.items()
+        }  # fmt: skip
 
 
 def _cost(m: dict[str, float], none: dict[str, float] | None, t: str, times: tuple[float, float]) -> Cost:
@@ -376,11 +475,12 @@ def _profile_blocks(
     # offload's prefetch brings back what `none` would keep: measure `none`'s bytes even when it is no candidate
     measured = tuple(treatments) + (("none",) if "offload" in treatments and "none" not in treatments else ())
     costs: list[dict[str, Cost]] = [{} for _ in bench.blocks]
+    times = bench.time_rounds([members[0] for members in groups.values()], treatments)
     for members in groups.values():
-        results = {t: bench.measure(members, t, timed=t in treatments) for t in measured}
-        none = results["none"][0] if "none" in results else None
+        results = {t: bench.measure(members, t) for t in measured}
+        none = results.get("none")
         for t in treatments:
-            cost = _cost(results[t][0], none, t, results[t][1])
+            cost = _cost(results[t], none, t, times[(members[0], t)])
             for i in members:
                 costs[i][t] = cost
     block_grads = [_unique_bytes([p for p in b.parameters() if p.requires_grad]) for b in bench.blocks]

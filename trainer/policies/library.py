@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.errors import PolicyError
+from trainer.flops import count_sac_decision
 from trainer.loss import LOSSES
 from trainer.policies.base import (
     CompositeConfig,
@@ -115,6 +116,7 @@ class OpLevelSAC(Policy):
         save = resolve_ops(self.cfg.save_ops)
 
         def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            count_sac_decision()  # the step-time model costs each decision (trainer.steptime)
             packet = getattr(op, "overloadpacket", op)
             return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -274,7 +276,8 @@ class AutoConfig(CompositeConfig):
     budget_gb: float | None = None
     budget_fraction: float | None = None
     allow_accum: bool = False  # nothing fits: halve the micro-batch, double accum (same tokens per step), retry
-    profile_repeats: int = 3  # timed repetitions per block and treatment (median)
+    profile_repeats: int = 5  # timed rounds per block and treatment, interleaved across treatments (median)
+    profile_warmup: int = 1  # untimed rounds before them
     # The treatments the planner chooses from; null: every registered treatment. offload is used only where there
     # is a CUDA device (elsewhere it is `none`), selective only with eager attention.
     candidates: list[str] | None = None
@@ -301,6 +304,8 @@ class AutoConfig(CompositeConfig):
             raise ValueError(f"policy.budget_fraction={self.budget_fraction} must be in (0, 1]")
         if self.profile_repeats < 1:
             raise ValueError(f"policy.profile_repeats={self.profile_repeats} must be ≥ 1")
+        if self.profile_warmup < 0:
+            raise ValueError(f"policy.profile_warmup={self.profile_warmup} must be ≥ 0")
         unknown = [n for n in self.loss_candidates or [] if n not in LOSSES]
         if unknown:
             raise ValueError(

@@ -24,9 +24,11 @@ class HostLedger:
     def __init__(self) -> None:
         self.now = 0
         self.peak = 0
+        self.copied = 0  # bytes sent to the host (each comes back once: the copies move twice this)
 
     def add(self, nbytes: int) -> None:
         self.now += nbytes
+        self.copied += nbytes
         self.peak = max(self.peak, self.now)
 
     def release(self, nbytes: int) -> None:

@@ -1,0 +1,118 @@
+"""The step-time model: what the trace records of each op, the roofline's arithmetic, the speeds it is costed
+against, and its use by the estimator and the planner. Times are never asserted: counts, bytes and the model's own
+arithmetic are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from trainer import steptime
+from trainer.gpus import Gpu, load_catalogue
+from trainer.steptime import OpTrace, Speed, Work
+
+
+def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
+    with OpTrace() as t:
+        fn()
+    return t.work
+
+
+def test_each_op_is_classified_with_its_flops_and_bytes() -> None:
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    work = _trace(lambda: a @ b)
+    assert work.ops == {("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
+    x = torch.ones(1024)
+    assert _trace(lambda: x * x).ops == {("memory", "", 0, 3 * 1024 * 4): 1}
+    assert set(_trace(lambda: x.view(32, 32)).ops) == {("free", "", 0, 0)}
+    assert {k[0] for k in _trace(lambda: torch.nn.functional.gelu(x)).ops} == {"math"}
+    assert {k[0] for k in _trace(lambda: torch.nn.functional.dropout(x, 0.5, training=True)).ops} >= {"random"}
+    bf = torch.ones(8, 16, dtype=torch.bfloat16)
+    assert [k[:2] for k in _trace(lambda: bf @ bf.t()).ops if k[0] != "free"] == [("matmul", "bf16")]
+
+
+def test_fake_tensors_give_the_same_work_as_real_ones() -> None:
+    """The estimator traces fake tensors: their ops, FLOPs and bytes are the real run's."""
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> None:
+        torch.nn.functional.gelu(x @ w).softmax(-1).sum().backward()
+
+    torch.manual_seed(0)
+    real = _trace(lambda: step(torch.randn(32, 64), torch.randn(64, 48, requires_grad=True)))
+    with FakeTensorMode():
+        fake = _trace(lambda: step(torch.randn(32, 64), torch.randn(64, 48, requires_grad=True)))
+    assert real.ops == fake.ops and real.flops == fake.flops > 0
+
+
+def _speed(overlapped: bool) -> Speed:
+    return Speed(name="test", matmul={"fp32": ((1.0, 1e9),)}, bandwidth={"memory": ((1.0, 1e9),)}, op_s=1e-6,
+                 free_s=0.0, sac_s=1e-5, host_link=1e9, overlapped=overlapped)  # fmt: skip
+
+
+def test_the_roofline_arithmetic() -> None:
+    """An op takes the longer of its FLOPs and its bytes; the host's per-op costs add up on a CPU and run ahead of the
+    kernels on a GPU; offload's copies hide behind compute up to its length when prefetched."""
+    work = Work()
+    work.ops[("matmul", "fp32", 2_000_000, 1_000)] = 3  # 2 ms each: compute-bound
+    work.ops[("memory", "", 0, 500_000)] = 2  # 0.5 ms each
+    work.ops[("free", "", 0, 0)] = 5
+    work.sac_decisions = 10
+    cpu = _speed(False).predict(work)
+    assert cpu.matmul_ms == pytest.approx(6.0) and cpu.memory_ms == pytest.approx(1.0)
+    assert cpu.host_ms == pytest.approx(5 * 1e-3 + 10 * 1e-2)
+    assert cpu.ms == pytest.approx(7.0 + cpu.host_ms)
+    gpu = _speed(True).predict(work)
+    assert gpu.ms == pytest.approx(7.0)  # the host's 0.105 ms run ahead of 7 ms of kernels
+    work.host_copy_bytes = 9_000_000  # 9 ms at 1 GB/s
+    assert _speed(True).predict(work).exposed_copy_ms == pytest.approx(2.0)
+    work.prefetch = False
+    assert _speed(True).predict(work).ms == pytest.approx(16.0)
+
+
+def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:
+    curve = ((1e3, 1e9), (1e5, 1e11))
+    assert steptime._rate(curve, 1e4) == pytest.approx(1e10)
+    assert steptime._rate(curve, 10) == 1e9 and steptime._rate(curve, 1e9) == 1e11
+
+
+def test_a_catalogue_gpu_states_its_assumptions() -> None:
+    gpus = load_catalogue()
+    speed = steptime.gpu_speed(gpus["H100-80GB"], fp32_matmul="fp32")
+    assert speed.overlapped and speed.matmul["bf16"][0][1] == pytest.approx(989e12 * steptime.GPU_MATMUL_EFFICIENCY)
+    text = speed.describe()
+    assert "60% of peak" in text and "80% of 3.35 TB/s" in text and "collectives not costed" in text
+    with pytest.raises(ValueError, match="needs tflops and bandwidth"):
+        steptime.gpu_speed(Gpu("bare", 2**30))
+    assert steptime.speed_for("cuda").name == steptime.REFERENCE_GPU
+    assert steptime.speed_for("cuda", "l4-24gb").name == "L4-24GB"
+    with pytest.raises(Exception, match="not in the GPU catalogue; choose from"):
+        steptime.speed_for("cuda", "Z9000")
+
+
+def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(steptime, "_CPU", {})
+    speed = steptime.cpu_speed()
+    files = list((tmp_path / "ckptlab").glob("cpu-speed-*.json"))
+    assert len(files) == 1 and "measured now" in speed.describe()
+    doc = json.loads(files[0].read_text())
+    assert doc["threads"] == torch.get_num_threads() and set(doc["matmul"]) == {"fp32", "bf16"}
+    assert set(doc["bandwidth"]) == {"memory", "math", "random"} and doc["op_s"] > 0 and doc["sac_s"] > 0
+    monkeypatch.setattr(steptime, "_CPU", {})
+    again = steptime.cpu_speed()
+    assert "cached in" in again.describe() and again.matmul == speed.matmul
+
+
+def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:
+    from trainer.policies import build_policy
+
+    block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    for name, expect_sac in (("op_sac", True), ("full", False)):
+        policy = build_policy({"name": name})
+        work = _trace(lambda policy=policy: policy.run(block, x, 0).sum().backward())
+        assert (work.sac_decisions > 0) is expect_sac, name

@@ -1,0 +1,581 @@
+"""Step time from the ops a step runs: a roofline per op, against a device's speed.
+
+    with OpTrace() as trace:        # any step, on real or fake tensors (the estimator's)
+        step()
+    speed = cpu_speed()             # this CPU, calibrated once by a short micro-benchmark (cached), or
+    speed = gpu_speed(gpu)          # a catalogue GPU (conf/gpu/): peak per dtype and bandwidth at stated efficiencies
+    speed.predict(trace.work)       # -> StepTime: milliseconds, and where they go
+
+Every op torch dispatches is one of three kinds: `matmul` (it has a FLOP formula in torch's registry, the CPU SDPA
+kernels and the fused loss head included: trainer/flops.py), `memory` (it moves bytes: the bytes of every tensor it
+reads and writes, from the tensors' sizes, so fake tensors serve) and `free` (views, allocations and metadata, which
+move nothing). An op's time is the larger of its FLOPs at the device's matmul throughput and its bytes at the
+device's bandwidth, and each op launched pays a fixed cost (dispatch, autograd's bookkeeping); a SAC context pays a
+further cost per op it decides on (its policy function and cache, in Python). On a CPU these add up, one op after the
+other; on a GPU the host runs ahead of the kernels, so the step takes the longer of the two sums. Offload's copies
+go over the host link, on a stream of their own, hidden behind the step's compute up to its length (with prefetch;
+without it they are exposed in full). Collectives (FSDP2's all-gathers and reduce-scatters) are not costed.
+
+Not FlopCounterMode for the trace: it sums FLOPs per module and has no bytes or per-op record (FlopTally's reasons
+apply too: trainer/flops.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import flop_counter as _fc
+
+from trainer.errors import ConfigError
+from trainer.flops import SAC_DECISIONS, FlopTally, count_sac_decision
+from trainer.gpus import Gpu, load_catalogue
+from trainer.text import flops_text
+
+OpKey = tuple[str, str, int, int]  # (kind, dtype, FLOPs, bytes)
+
+_FREE_OPS = frozenset(
+    n
+    for n in (
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_to_copy_meta",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "_local_scalar_dense",
+        "set_",
+        "resize_",
+        "_unsafe_view",
+        "copy_meta",
+    )  # fmt: skip
+)
+
+
+# Memory-bound ops a CPU runs well below its streaming rate: transcendental and normalising math (per element it
+# evaluates a polynomial or reduces) and random draws (dropout's masks).
+_MATH_OPS = frozenset(
+    n
+    for n in (
+        "gelu",
+        "gelu_backward",
+        "silu",
+        "silu_backward",
+        "_softmax",
+        "_softmax_backward_data",
+        "_log_softmax",
+        "_log_softmax_backward_data",
+        "exp",
+        "log",
+        "tanh",
+        "tanh_backward",
+        "sigmoid",
+        "sigmoid_backward",
+        "erf",
+        "native_layer_norm",
+        "native_layer_norm_backward",
+        "_fused_rms_norm",
+        "_fused_rms_norm_backward",
+        "rsqrt",
+        "pow",
+        "sqrt",
+        "sin",
+        "cos",
+        "nll_loss_forward",
+        "nll_loss_backward",
+        "linalg_vector_norm",
+    )  # fmt: skip
+)
+_RANDOM_OPS = frozenset(("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like",
+                         "uniform_", "normal_"))  # fmt: skip
+KINDS = ("matmul", "memory", "math", "random", "free")
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
+        dtype, "fp32"
+    )
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
+    """One dispatched op as (kind, dtype, FLOPs, bytes read and written)."""
+    packet = func._overloadpacket
+    if flops:
+        inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
+        return ("matmul", dtype, int(flops), sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+    if getattr(func, "is_view", False) or packet.__name__ in _FREE_OPS:
+        return ("free", "", 0, 0)
+    kind = "math" if packet.__name__ in _MATH_OPS else "random" if packet.__name__ in _RANDOM_OPS else "memory"
+    return (kind, "", 0, sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+
+
+@dataclass
+class Work:
+    """What a step asks of a device: its ops, aggregated by (kind, dtype, FLOPs, bytes), the SAC decisions made
+    and offload's host copies (bytes, both ways)."""
+
+    ops: Counter[OpKey] = field(default_factory=Counter)
+    sac_decisions: int = 0
+    host_copy_bytes: int = 0
+    prefetch: bool = True  # offload's copies overlap the compute
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.ops + other.ops, self.sac_decisions + other.sac_decisions,
+                    self.host_copy_bytes + other.host_copy_bytes, self.prefetch and other.prefetch)  # fmt: skip
+
+    def count(self, kind: str) -> int:
+        return sum(n for k, n in self.ops.items() if k[0] == kind)
+
+    @property
+    def flops(self) -> int:
+        return sum(k[2] * n for k, n in self.ops.items())
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(k[3] * n for k, n in self.ops.items())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ops": {k: self.count(k) for k in KINDS}, "flops": self.flops,
+                "bytes": self.bytes_moved, "sac_decisions": self.sac_decisions,
+                "host_copy_bytes": self.host_copy_bytes}  # fmt: skip
+
+
+class OpTrace(FlopTally):
+    """FlopTally that also records every op's kind, FLOPs and bytes (`work`), and the SAC decisions made inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = Work()
+        self._sac0 = 0
+
+    def __enter__(self) -> OpTrace:
+        self._sac0 = SAC_DECISIONS["count"]
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.work.sac_decisions += SAC_DECISIONS["count"] - self._sac0
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "namespace", "") == "prim":  # metadata queries (fake tensors ask prim.device), not ops run
+            return out
+        formula = _fc.flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        self.total += flops
+        self.work.ops[classify(func, args, kwargs, out, flops)] += 1
+        return out
+
+
+def trace(fn: Callable[[], Any]) -> tuple[Any, Work]:
+    with OpTrace() as t:
+        out = fn()
+    return out, t.work
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speeds.
+# ----------------------------------------------------------------------------------------------------
+
+Curve = tuple[tuple[float, float], ...]  # (size, rate) points, sizes ascending: FLOPs → FLOP/s, bytes → bytes/s
+
+
+def _rate(curve: Curve, size: float) -> float:
+    """The rate at `size`, interpolated log-log between the points (flat beyond the ends)."""
+    sizes = [s for s, _ in curve]
+    if size <= sizes[0]:
+        return curve[0][1]
+    if size >= sizes[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(sizes, size)
+    (s0, r0), (s1, r1) = curve[i - 1], curve[i]
+    f = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted time and where it goes (milliseconds). `ms` = compute + host + exposed copies on a CPU; on a GPU
+    the longer of the kernels (matmul + memory) and the host's dispatch, plus exposed copies."""
+
+    ms: float
+    matmul_ms: float
+    memory_ms: float
+    host_ms: float  # fixed per-op costs and SAC decisions
+    copy_ms: float  # offload's copies, in full
+    exposed_copy_ms: float
+    device: str
+
+    def tokens_per_s(self, tokens: int) -> float:
+        return tokens / (self.ms / 1e3) if self.ms > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A device's speed as the roofline uses it (rates in per-second units, times in seconds)."""
+
+    name: str
+    matmul: dict[str, Curve]  # dtype → FLOPs of one op → FLOP/s
+    bandwidth: dict[str, Curve]  # kind (memory, math, random) → bytes of one op → bytes/s
+    op_s: float  # fixed cost of every op launched
+    free_s: float  # a view's or allocation's cost (host only)
+    sac_s: float  # one SAC decision (host)
+    host_link: float = 0.0  # bytes/s host↔device (offload's copies)
+    overlapped: bool = False  # GPU: the host runs ahead of the kernels
+    assumptions: tuple[str, ...] = ()
+
+    def _matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul.get(dtype) or self.matmul.get("fp32") or next(iter(self.matmul.values()))
+        return _rate(curve, flops)
+
+    def predict(self, work: Work) -> StepTime:
+        mm = mem = 0.0
+        for (kind, dtype, flops, nbytes), n in work.ops.items():
+            if kind == "free":
+                continue
+            curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
+            t_bytes = nbytes / _rate(curve, nbytes) if nbytes else 0.0
+            if kind == "matmul":
+                t = max(flops / self._matmul_rate(dtype, flops), t_bytes)
+                mm += t * n
+            else:
+                mem += t_bytes * n
+        launched = sum(work.count(k) for k in KINDS if k != "free")
+        host = launched * self.op_s + work.count("free") * self.free_s + work.sac_decisions * self.sac_s
+        copy = work.host_copy_bytes / self.host_link if work.host_copy_bytes and self.host_link else 0.0
+        compute = max(mm + mem, host) if self.overlapped else mm + mem + host
+        exposed = max(0.0, copy - compute) if work.prefetch else copy
+        return StepTime((compute + exposed) * 1e3, mm * 1e3, mem * 1e3, host * 1e3, copy * 1e3, exposed * 1e3,
+                        self.name)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.name}: " + "; ".join(self.assumptions)
+
+
+# GPU efficiencies: what a dense kernel reaches of the datasheet peak. Large GEMMs reach 60-75 % of peak and
+# streaming kernels 80-90 % of bandwidth; the step's smaller ops reach less, which the per-op launch floor covers.
+GPU_MATMUL_EFFICIENCY = 0.6
+GPU_BANDWIDTH_EFFICIENCY = 0.8
+GPU_LAUNCH_S = 5e-6  # host-side cost of one eager op (Python, dispatcher, launch)
+GPU_SAC_S = 20e-6  # one SAC decision: torch's Python dispatch mode, per op
+GPU_COPY_OVERLAP = "offload copies on their own stream, hidden behind compute up to its length (prefetch on)"
+
+
+def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
+    """A catalogue GPU: peak TFLOP/s per dtype and bandwidth at the stated efficiencies; fp32 matmuls run as TF32
+    when torch's float32 matmul precision allows it (`torch.set_float32_matmul_precision`)."""
+    if not gpu.tflops or not gpu.bandwidth:
+        raise ValueError(f"GPU {gpu.name}: the catalogue entry needs tflops and bandwidth to predict a step time")
+    fp32_matmul = fp32_matmul or ("tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32")
+    rates = {k: v * 1e12 * GPU_MATMUL_EFFICIENCY for k, v in gpu.tflops.items()}
+    if fp32_matmul in rates:
+        rates["fp32"] = rates[fp32_matmul]
+    matmul = {k: ((1.0, r),) for k, r in rates.items()}
+    bw = gpu.bandwidth * GPU_BANDWIDTH_EFFICIENCY
+    return Speed(
+        name=gpu.name,
+        matmul=matmul,
+        bandwidth={"memory": ((1.0, bw),)},
+        op_s=GPU_LAUNCH_S,
+        free_s=GPU_LAUNCH_S / 4,
+        sac_s=GPU_SAC_S,
+        host_link=gpu.host_link,
+        overlapped=True,
+        assumptions=(
+            f"matmul at {GPU_MATMUL_EFFICIENCY:.0%} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
+            f" TFLOP/s; fp32 matmul as {fp32_matmul})",
+            f"memory-bound ops at {GPU_BANDWIDTH_EFFICIENCY:.0%} of {gpu.bandwidth / 1e12:g} TB/s",
+            f"host {GPU_LAUNCH_S * 1e6:g} µs per op launched, {GPU_SAC_S * 1e6:g} µs per SAC decision, running ahead"
+            " of the kernels",
+            GPU_COPY_OVERLAP + (f" at {gpu.host_link / 1e9:g} GB/s" if gpu.host_link else ""),
+            "collectives not costed",
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# This CPU, calibrated.
+# ----------------------------------------------------------------------------------------------------
+
+CALIBRATION_VERSION = 3
+_MATMUL_SHAPES = ((256, 64, 64), (256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 1024))
+_POINTWISE_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
+
+
+def _median_s(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x * w + 1.0
+    return x
+
+
+def _per_op_s() -> tuple[float, float]:
+    """The fixed cost of one op launched (a forward and backward chain of tiny pointwise ops, autograd included)
+    and of one view."""
+    w = torch.full((8,), 0.5, requires_grad=True)
+
+    def step() -> None:
+        x = torch.ones(8, requires_grad=True)
+        y = _chain(x, w, 64).sum()
+        if y.requires_grad:  # under no_grad: the bare dispatch cost the rate curves take out
+            y.backward()
+
+    with OpTrace() as t:
+        step()
+    ops = sum(t.work.count(k) for k in KINDS)
+    op_s = _median_s(step, 15, 2) / max(ops, 1)
+    v = torch.ones(8, 8)
+    views = 256
+
+    def view_loop() -> None:
+        y = v
+        for _ in range(views // 2):
+            y = y.t().view(8, 8)
+
+    return op_s, _median_s(view_loop, 15, 2) / views
+
+
+def _sac_s(op_s: float) -> float:
+    """One SAC decision: a checkpointed chain of tiny ops with torch's SAC contexts, less the same without them,
+    per decision."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        count_sac_decision()
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.full((8,), 0.5, requires_grad=True)
+
+    def run(sac: bool) -> Callable[[], None]:
+        def step() -> None:
+            x = torch.ones(8, requires_grad=True)
+            kw: dict[str, Any] = {"context_fn": lambda: create_selective_checkpoint_contexts(decide)} if sac else {}
+            checkpoint(_chain, x, w, 64, use_reentrant=False, **kw).sum().backward()
+
+        return step
+
+    with OpTrace() as t:
+        run(True)()
+    decisions = max(t.work.sac_decisions, 1)
+    delta = _median_s(run(True), 11, 2) - _median_s(run(False), 11, 2)
+    return max(delta / decisions, op_s / 4)
+
+
+_COLD_BYTES = 64 * 2**20  # more than a server CPU's last-level cache share: each timed op reads cold data
+
+
+def _cold(make: Callable[[], tuple[torch.Tensor, ...]], nbytes: int) -> list[tuple[torch.Tensor, ...]]:
+    """Enough distinct operand sets that cycling through them leaves none in cache: a step's tensors come from
+    memory, not from the op before."""
+    return [make() for _ in range(max(2, min(32, _COLD_BYTES // max(nbytes, 1))))]
+
+
+def _cycled_s(fn: Callable[..., Any], pool: list[tuple[torch.Tensor, ...]], reps: int) -> float:
+    it = iter(range(10**9))
+    return _median_s(lambda: fn(*pool[next(it) % len(pool)]), reps, warmup=len(pool) % 3 + 1)
+
+
+def _matmul_curve(dtype: torch.dtype, op_s: float) -> Curve:
+    """FLOP/s by op size: the median over a step's layouts (A·B, Aᵀ·B as weight gradients take it, A·Bᵀ as a linear
+    layer takes its weight) and over batched products (attention's), each on cold operands."""
+    points = []
+    for m, k, n in _MATMUL_SHAPES:
+        flops = 2 * m * k * n
+        nbytes = (m * k + k * n) * torch.finfo(dtype).bits // 8
+        shapes = [((m, k), (k, n)), ((k, m), (k, n)), ((m, k), (n, k)), ((16, m // 16, k), (16, k, n))]
+        products = [lambda a, b: a @ b, lambda a, b: a.t() @ b, lambda a, b: a @ b.t(), torch.bmm]
+        layouts = [
+            (lambda sa=sa, sb=sb: (torch.full(sa, 0.5, dtype=dtype), torch.full(sb, 0.5, dtype=dtype)), fn)
+            for (sa, sb), fn in zip(shapes, products, strict=True)
+        ]
+        reps = 5 if flops < 1e9 else 3
+        t = statistics.median(_cycled_s(fn, _cold(make, nbytes), reps) for make, fn in layouts)
+        points.append((float(flops), flops / max(t - op_s, t / 2)))
+    return tuple(points)
+
+
+def _bandwidth_curves(op_s: float) -> dict[str, Curve]:
+    """Bytes/s by op size for each kind of memory-bound op, on cold tensors: `memory` a product (reads two, writes
+    one), `math` the median of GELU, softmax and layer norm (read one, write one), `random` a dropout mask drawn in
+    place."""
+    kinds: dict[str, list[tuple[Callable[[int], tuple[torch.Tensor, ...]], Callable[..., Any], int]]] = {
+        "memory": [(lambda n: (torch.full((n,), 0.5), torch.full((n,), 0.5)), torch.mul, 3)],
+        "math": [
+            (lambda n: (torch.full((n // 256, 256), 0.5),), torch.nn.functional.gelu, 2),
+            (lambda n: (torch.full((n // 256, 256), 0.5),), lambda x: torch.softmax(x, -1), 2),
+            (lambda n: (torch.full((n // 256, 256), 0.5),), lambda x: torch.nn.functional.layer_norm(x, (256,)), 2),
+        ],
+        "random": [(lambda n: (torch.empty(n),), lambda x: x.bernoulli_(0.9), 2)],  # in place: read and written
+    }
+    out = {}
+    for kind, ops in kinds.items():
+        points = []
+        for n in _POINTWISE_SIZES:
+            nbytes = 4 * n
+            t = statistics.median(
+                _cycled_s(fn, _cold(lambda make=make, n=n: make(n), nbytes * k), 7 if n < 2**22 else 3)
+                for make, fn, k in ops
+            )
+            moved = nbytes * ops[0][2]
+            points.append((float(moved), moved / max(t - op_s, t / 2)))
+        out[kind] = tuple(points)
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_path(key: str) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "ckptlab" / f"cpu-speed-{key}.json"
+
+
+def _speed_from(doc: dict[str, Any], source: str) -> Speed:
+    mem = doc["bandwidth"]["memory"][-2]
+    return Speed(
+        name=doc["name"],
+        matmul={k: tuple(tuple(p) for p in v) for k, v in doc["matmul"].items()},  # type: ignore[misc]
+        bandwidth={k: tuple(tuple(p) for p in v) for k, v in doc["bandwidth"].items()},  # type: ignore[misc]
+        op_s=doc["op_s"],
+        free_s=doc["free_s"],
+        sac_s=doc["sac_s"],
+        assumptions=(
+            f"calibrated on this CPU ({source}): matmul {flops_text(doc['matmul']['fp32'][-1][1])}/s fp32, "
+            f"{flops_text(doc['matmul']['bf16'][-1][1])}/s bf16 at 1024³; pointwise "
+            f"{mem[1] / 1e9:.1f} GB/s at {mem[0] / 2**20:.0f} MiB (cold)",
+            f"{doc['op_s'] * 1e6:.1f} µs per op launched, {doc['sac_s'] * 1e6:.1f} µs per SAC decision, "
+            f"{doc['threads']} thread(s), one op after another",
+        ),
+    )
+
+
+def calibrate_cpu() -> dict[str, Any]:
+    """The micro-benchmark (a few seconds): per-op cost, SAC's cost per decision, matmul throughput by size in fp32
+    and bf16, pointwise bandwidth by size."""
+    with torch.no_grad():
+        op_s0, _ = _per_op_s()
+    op_s, free_s = _per_op_s()
+    with torch.no_grad():
+        matmul = {"fp32": _matmul_curve(torch.float32, op_s0), "bf16": _matmul_curve(torch.bfloat16, op_s0)}
+        bandwidth = _bandwidth_curves(op_s0)
+    return {"version": CALIBRATION_VERSION, "name": f"CPU {cpu_name()}", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "op_s": op_s, "free_s": free_s, "sac_s": _sac_s(op_s),
+            "matmul": matmul, "bandwidth": bandwidth}  # fmt: skip
+
+
+def cpu_key() -> str:
+    text = f"{CALIBRATION_VERSION}|{cpu_name()}|{torch.__version__}|{torch.get_num_threads()}"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+_CPU: dict[str, Speed] = {}
+
+
+def cpu_speed(recalibrate: bool = False) -> Speed:
+    """This CPU at the current thread count: calibrated once and cached (on disk, keyed by CPU, torch and
+    threads); `recalibrate` measures anew."""
+    key = cpu_key()
+    if key in _CPU and not recalibrate:
+        return _CPU[key]
+    path = _cache_path(key)
+    doc = None
+    if not recalibrate and path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("version") != CALIBRATION_VERSION:
+                doc = None
+        except (OSError, ValueError):
+            doc = None
+    source = f"cached in {path}"
+    if doc is None:
+        doc = calibrate_cpu()
+        source = "measured now"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(path)
+        except OSError:
+            source = "measured now, not cached: the cache folder is not writable"
+    _CPU[key] = speed = _speed_from(doc, source)
+    return speed
+
+
+REFERENCE_GPU = "H100-80GB"  # a CUDA estimate's times when no GPU is named
+
+
+def speed_for(device: str, gpu: Gpu | str | None = None, catalogue: list[str] | None = None) -> Speed:
+    """The speed a prediction is for: a catalogue GPU (by entry or name; a CUDA device without one: the reference
+    GPU), or this CPU calibrated."""
+    if gpu is None and device != "cuda":
+        return cpu_speed()
+    if not isinstance(gpu, Gpu):
+        gpus = load_catalogue(catalogue)
+        name = gpu or REFERENCE_GPU
+        found = {k.lower(): v for k, v in gpus.items()}.get(name.lower())
+        if found is None:
+            raise ConfigError(f"--gpu {name}: not in the GPU catalogue; choose from {', '.join(gpus)} (conf/gpu/)")
+        gpu = found
+    return gpu_speed(gpu)
+
+
+def speed_here(device: torch.device | str) -> Speed:
+    """The speed of the device this process runs on: this CPU calibrated, or the catalogue entry whose name's
+    model (H100, L4, ...) the CUDA device's name carries (the reference GPU where none does)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu_speed()
+    name = torch.cuda.get_device_name(device)
+    for gpu in load_catalogue().values():
+        if gpu.name.split("-")[0].lower() in name.lower():
+            return gpu_speed(gpu)
+    return speed_for("cuda")
