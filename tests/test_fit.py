@@ -178,10 +178,17 @@ def test_cli_fit_and_advice_in_json(tmp_path: Path, direct: dict[int, dict[str, 
     assert "where it fits (loss=standard)" in r.stdout and "advice for policy=none" in r.stdout
     doc = json.loads(out.read_text())
     small = next(row for row in doc["fit"] if row["gpu"] == "Small")
-    assert small == {"gpu": "Small", "memory_bytes": direct[2]["none"], "usable_bytes": direct[2]["none"],
-                     "policy": "none", "loss": "standard", "world_size": 2,
-                     "per_rank_peak_bytes": direct[2]["none"], "peak_is_bound": False,
-                     "predicted_step_ms": None}  # fmt: skip  (no tflops in its entry: no time)
+    assert small == {
+        "gpu": "Small",
+        "memory_bytes": direct[2]["none"],
+        "usable_bytes": direct[2]["none"],
+        "policy": "none",
+        "loss": "standard",
+        "world_size": 2,
+        "per_rank_peak_bytes": direct[2]["none"],
+        "peak_is_bound": False,
+        "predicted_step_ms": None,
+    }  # fmt: skip  (no tflops in its entry: no time)
     timed = [row for row in doc["fit"] if row["world_size"] is not None and row["gpu"] == "H100-80GB"]
     assert timed and all(row["predicted_step_ms"] > 0 for row in timed)
     assert "where it fits, fastest first (predicted, not measured" in r.stdout
