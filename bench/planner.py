@@ -130,7 +130,7 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         rows.append(row)
 
     measured = _measure(h, variants, reps)
-    speed = speed_here(device)
+    speed = speed_here(device, recalibrate=True)  # beside the measured steps
     session = estimator_session(config, h.device)
     try:
         roofline = {t: estimated(session, variants[k]).step_time(speed).ms for t, k in uniform.items()}

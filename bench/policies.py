@@ -438,7 +438,7 @@ def run_section(
 ) -> dict[str, Any]:
     phases: dict[str, float] = {}
     m = _measure(s, device, rounds, warmup, phases)
-    m["speed"] = speed_here(device)
+    m["speed"] = speed_here(device, recalibrate=True)  # beside the measured steps
     t0 = time.perf_counter()
     est, est_errors = _estimates(s, device)
     phases["estimator"], t0 = time.perf_counter() - t0, time.perf_counter()

@@ -535,7 +535,7 @@ def cpu_speed(recalibrate: bool = False) -> Speed:
                 doc = None
         except (OSError, ValueError):
             doc = None
-    source = f"cached in {path}"
+    source = "cached"
     if doc is None:
         doc = calibrate_cpu()
         source = "measured now"
@@ -568,12 +568,13 @@ def speed_for(device: str, gpu: Gpu | str | None = None, catalogue: list[str] | 
     return gpu_speed(gpu)
 
 
-def speed_here(device: torch.device | str) -> Speed:
-    """The speed of the device this process runs on: this CPU calibrated, or the catalogue entry whose name's
-    model (H100, L4, ...) the CUDA device's name carries (the reference GPU where none does)."""
+def speed_here(device: torch.device | str, recalibrate: bool = False) -> Speed:
+    """The speed of the device this process runs on: this CPU calibrated (`recalibrate`: now, as a benchmark does
+    beside what it measures: a shared machine's speed drifts), or the catalogue entry whose name's model (H100,
+    L4, ...) the CUDA device's name carries (the reference GPU where none does)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return cpu_speed()
+        return cpu_speed(recalibrate)
     name = torch.cuda.get_device_name(device)
     for gpu in load_catalogue().values():
         if gpu.name.split("-")[0].lower() in name.lower():
