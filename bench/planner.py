@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.planner", description=(__doc__ or "").splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (default: the conf defaults)")
     ap.add_argument("--model", help="a conf/model option (model=…)")
+    ap.add_argument("--models", help="several, comma-separated (tiny,llama-tiny): one table each, in one run")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
@@ -282,15 +283,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)
         return 2
+    if args.model and args.models:
+        ap.error("give --model or --models, not both")
     torch.set_num_threads(args.threads)
-    overrides = ([f"model={args.model}"] if args.model else []) + list(args.overrides)
-    try:
-        out = run(overrides, args.budgets, args.reps, args.device)
-    except BenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    extra = " ".join([*(["--model", args.model] if args.model else []), *args.overrides])
-    block = header(out, f"{COMMAND} {extra}".rstrip()) + "\n\n" + tables(out)
+    models = args.models.split(",") if args.models else [args.model] if args.model else [None]
+    which = ["--models", args.models] if args.models else ["--model", args.model] if args.model else []
+    command = f"{COMMAND} {' '.join([*which, *args.overrides])}".rstrip()
+    blocks = []
+    for model in models:
+        overrides = ([f"model={model}"] if model else []) + list(args.overrides)
+        try:
+            out = run(overrides, args.budgets, args.reps, args.device)
+        except BenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        text = header(out, command) + "\n\n" + tables(out)
+        blocks.append(text if len(models) == 1 else f"**{model}**\n\n{text}")
+    block = "\n\n".join(blocks)
     print(block)
     if args.write_readme:
         replace_block(args.readme, START, END, block, HEADING)

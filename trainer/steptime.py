@@ -329,7 +329,7 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
 # This CPU, calibrated.
 # ----------------------------------------------------------------------------------------------------
 
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 _MATMUL_SHAPES = ((256, 64, 64), (256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 1024))
 _POINTWISE_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
 
@@ -403,7 +403,7 @@ def _sac_s(op_s: float) -> float:
     return max(delta / decisions, op_s / 4)
 
 
-_COLD_BYTES = 64 * 2**20  # more than a server CPU's last-level cache share: each timed op reads cold data
+_COLD_BYTES = 256 * 2**20  # more than a server CPU's last-level cache share: each timed op reads cold data
 
 
 def _cold(make: Callable[[], tuple[torch.Tensor, ...]], nbytes: int) -> list[tuple[torch.Tensor, ...]]:
@@ -455,7 +455,7 @@ def _bandwidth_curves(op_s: float) -> dict[str, Curve]:
         for n in _POINTWISE_SIZES:
             nbytes = 4 * n
             t = statistics.median(
-                _cycled_s(fn, _cold(lambda make=make, n=n: make(n), nbytes * k), 7 if n < 2**22 else 3)
+                _cycled_s(fn, _cold(lambda make=make, n=n: make(n), nbytes * k), 25 if n < 2**22 else 9)
                 for make, fn, k in ops
             )
             moved = nbytes * ops[0][2]
