@@ -104,7 +104,7 @@ def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pyte
     assert set(doc["bandwidth"]) == {"memory", "math", "random"} and doc["op_s"] > 0 and doc["sac_s"] > 0
     monkeypatch.setattr(steptime, "_CPU", {})
     again = steptime.cpu_speed()
-    assert "cached in" in again.describe() and again.matmul == speed.matmul
+    assert "(cached)" in again.describe() and again.matmul == speed.matmul
 
 
 def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:

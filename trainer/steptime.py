@@ -329,7 +329,7 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
 # This CPU, calibrated.
 # ----------------------------------------------------------------------------------------------------
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 _MATMUL_SHAPES = ((256, 64, 64), (256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 1024))
 _POINTWISE_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
 
@@ -430,7 +430,7 @@ def _matmul_curve(dtype: torch.dtype, op_s: float) -> Curve:
             (lambda sa=sa, sb=sb: (torch.full(sa, 0.5, dtype=dtype), torch.full(sb, 0.5, dtype=dtype)), fn)
             for (sa, sb), fn in zip(shapes, products, strict=True)
         ]
-        reps = 5 if flops < 1e9 else 3
+        reps = 3 if flops < 1e9 else 2
         t = statistics.median(_cycled_s(fn, _cold(make, nbytes), reps) for make, fn in layouts)
         points.append((float(flops), flops / max(t - op_s, t / 2)))
     return tuple(points)
@@ -455,7 +455,7 @@ def _bandwidth_curves(op_s: float) -> dict[str, Curve]:
         for n in _POINTWISE_SIZES:
             nbytes = 4 * n
             t = statistics.median(
-                _cycled_s(fn, _cold(lambda make=make, n=n: make(n), nbytes * k), 25 if n < 2**22 else 9)
+                _cycled_s(fn, _cold(lambda make=make, n=n: make(n), nbytes * k), 11 if n < 2**22 else 5)
                 for make, fn, k in ops
             )
             moved = nbytes * ops[0][2]
@@ -498,18 +498,35 @@ def _speed_from(doc: dict[str, Any], source: str) -> Speed:
     )
 
 
-def calibrate_cpu() -> dict[str, Any]:
-    """The micro-benchmark (a few seconds): per-op cost, SAC's cost per decision, matmul throughput by size in fp32
-    and bf16, pointwise bandwidth by size."""
+CALIBRATION_ROUNDS = 3
+
+
+def _calibration_round() -> dict[str, Any]:
     with torch.no_grad():
         op_s0, _ = _per_op_s()
     op_s, free_s = _per_op_s()
     with torch.no_grad():
         matmul = {"fp32": _matmul_curve(torch.float32, op_s0), "bf16": _matmul_curve(torch.bfloat16, op_s0)}
         bandwidth = _bandwidth_curves(op_s0)
+    return {"op_s": op_s, "free_s": free_s, "sac_s": _sac_s(op_s), "matmul": matmul, "bandwidth": bandwidth}
+
+
+def _median_curves(curves: list[Curve]) -> Curve:
+    return tuple((points[0][0], statistics.median(p[1] for p in points)) for points in zip(*curves, strict=True))
+
+
+def calibrate_cpu() -> dict[str, Any]:
+    """The micro-benchmark (several seconds): per-op cost, SAC's cost per decision, matmul throughput by size in fp32
+    and bf16, memory-bound rates by size; each figure the median of CALIBRATION_ROUNDS rounds that each measure them
+    all, so a shared machine's passing load does not set one figure alone."""
+    rounds = [_calibration_round() for _ in range(CALIBRATION_ROUNDS)]
+    first = rounds[0]
     return {"version": CALIBRATION_VERSION, "name": f"CPU {cpu_name()}", "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "op_s": op_s, "free_s": free_s, "sac_s": _sac_s(op_s),
-            "matmul": matmul, "bandwidth": bandwidth}  # fmt: skip
+            "torch": torch.__version__, "rounds": len(rounds),
+            **{k: statistics.median(r[k] for r in rounds) for k in ("op_s", "free_s", "sac_s")},
+            "matmul": {k: _median_curves([r["matmul"][k] for r in rounds]) for k in first["matmul"]},
+            "bandwidth": {k: _median_curves([r["bandwidth"][k] for r in rounds])
+                          for k in first["bandwidth"]}}  # fmt: skip
 
 
 def cpu_key() -> str:
