@@ -276,9 +276,12 @@ class Harness:
         sync(self.device)
         return time.perf_counter() - t0
 
-    def interleaved(self, variants: dict[str, Variant], rounds: int, warmup: int = 0) -> dict[str, list[float]]:
+    def interleaved(
+        self, variants: dict[str, Variant], rounds: int, warmup: int = 0, between: Callable[[], None] | None = None
+    ) -> dict[str, list[float]]:
         """Seconds per step of each variant: `warmup` untimed rounds, then `rounds`; in round r every variant runs
-        one step, the order rotated by r, so slow drifts of a shared machine's load fall on all of them alike."""
+        one step, the order rotated by r, so slow drifts of a shared machine's load fall on all of them alike.
+        `between` runs after each timed round (a prediction made in the same stretch of time as the steps)."""
         names = list(variants)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(warmup + rounds):
@@ -287,6 +290,8 @@ class Harness:
                 seconds = self.timed(variants[name])
                 if r >= warmup:
                     times[name].append(seconds)
+            if between is not None and r >= warmup:
+                between()
         return times
 
 

@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import csv
 import datetime as dt
+import functools
 import gc
 import json
 import logging
@@ -347,9 +348,11 @@ def _measure(s: Section, device: torch.device, rounds: int, warmup: int, phases:
             out["plans"][key] = h.module.model.activation_plan.describe()
             out["plan_objects"][key] = h.module.model.activation_plan
         phases["memory_flops"], t0 = time.perf_counter() - t0, time.perf_counter()
-        out["profile"] = h.profile()  # the measured source of the step-time model, as policy=auto takes it
-        phases["planner_profile"], t0 = time.perf_counter() - t0, time.perf_counter()
-        out["times"] = h.interleaved(s.variants, rounds, warmup)
+        # the measured source of the step-time model, as policy=auto takes it; again after each timed round, so the
+        # machine's drift falls on the prediction and the steps alike (the median of them is compared)
+        out["profiles"] = [h.profile()]
+        again = functools.partial(lambda h: out["profiles"].append(h.profile()), h)
+        out["times"] = h.interleaved(s.variants, rounds, warmup, between=again)
         phases["timed_rounds"] = time.perf_counter() - t0
     del h
     gc.collect()
@@ -404,12 +407,12 @@ def _row(s: Section, index: int, spec: RowSpec, m: dict[str, Any], est: dict[str
 def _profile_ms(m: dict[str, Any], spec: RowSpec) -> float | None:
     """The planner's measured-source prediction of a policy row: a plan of single blocks under profiled treatments,
     with the configured loss head (the profile's)."""
-    prof, plan = m["profile"], m["plan_objects"][spec.key]
+    profiles, plan = m["profiles"], m["plan_objects"][spec.key]
     if spec.kind != "policy" or any(seg.stop - seg.start > 1 for seg in plan.segments):
         return None
-    if not set(plan.treatments) <= set(prof.treatments):
+    if not set(plan.treatments) <= set(profiles[0].treatments):
         return None
-    return PeakModel(prof).step_ms(plan.treatments)
+    return statistics.median(PeakModel(p).step_ms(plan.treatments) for p in profiles)
 
 
 def _overhead_row(s: Section, index: int, vocab: int, overhead: dict[str, list[float]]) -> dict[str, Any]:
@@ -460,7 +463,8 @@ def run_section(
         "samples": {"step_s": m["times"], "overhead_s": overhead},
         "phase_seconds": phases,
         "speed": m["speed"].describe(),
-        "profile_notes": list(m["profile"].notes),
+        "profile_notes": list(m["profiles"][0].notes),
+        "profiles": len(m["profiles"]),
     }
 
 

@@ -224,7 +224,8 @@ def header(result: dict[str, Any]) -> str:
         f"with a bare step of a twin module run from that hook; median of per-pair ratios over {m['overhead_pairs']} "
         f"pairs. Step time predicted: profile = the planner's measured source (`trainer.planner.profile_model` on "
         "the same module, as policy=auto takes it at fit start: block times scaled to the whole stack's; "
-        "`PeakModel.step_ms` of the plan); roofline = the predicted source (the estimator's fake-tensor step costed "
+        "`PeakModel.step_ms` of the plan; the median over a profile before the timed rounds and one after each); "
+        "roofline = the predicted source (the estimator's fake-tensor step costed "
         f"by `trainer.steptime` for {result['sections'][0].get('speed', 'this device')}).{not_run}"
     )
 
