@@ -4,13 +4,15 @@ and how a table was made (every generated header carries it)."""
 from __future__ import annotations
 
 import datetime as dt
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.precision import cpu_bf16_native, resolve
+from trainer.steptime import cpu_name
+
+__all__ = ["README", "ROOT", "cpu_name", "environment", "environment_text", "replace_block"]
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -31,16 +33,6 @@ def replace_block(path: Path, start: str, end: str, block: str, heading: str) ->
     else:
         text = text.rstrip("\n") + f"\n\n{heading}\n\n" + body + "\n"
     path.write_text(text)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device_type: str, requested: str) -> dict[str, Any]:
