@@ -86,6 +86,36 @@ def profiled(accum: int = 1) -> Profile:
     )
 
 
+def test_real_times_come_from_rounds_and_the_whole_stack() -> None:
+    """Timed rounds (more than one) scale the blocks to the whole stack's time under each uniform plan: the profile
+    says by how much, and every treatment has a time."""
+    model = copy.deepcopy(base_model())
+    idx, tgt = batches()
+    prof = planner.profile(model, (idx[0], tgt[0]), loss_fn=loss_fn(model), precision="32-true",
+                           make_optimizer=planner.default_optimizer(), repeats=2, warmup=1,
+                           policy=build_policy({"name": "auto", "budget_mib": 1000.0}))  # fmt: skip
+    note = next(n for n in prof.notes if n.startswith("block times scaled to the whole stack's"))
+    assert all(f"{t} ×" in note for t in prof.treatments)
+    assert all(c.ms > 0 for costs in prof.costs for c in costs.values())
+
+
+def test_fake_profiles_are_timed_by_the_step_time_model() -> None:
+    """On fake tensors a profile's times are the roofline's for the speed given: recompute costs its replayed ops,
+    SAC its decisions; the same profile twice gives the same times."""
+    from trainer.estimate import plan_result_for_config
+    from trainer.schema import compose_config
+    from trainer.steptime import Speed
+
+    speed = Speed(name="flat", matmul={"fp32": ((1.0, 1e10),)}, bandwidth={"memory": ((1.0, 1e9),)}, op_s=1e-6,
+                  free_s=0.0, sac_s=1e-5)  # fmt: skip
+    config = compose_config(["model=micro", "seq_len=32", "precision=32-true", "policy=auto", "policy.budget_mib=1000"])
+    first, second = (plan_result_for_config(config, "cpu", fake=True, speed=speed).profile for _ in range(2))
+    assert "step times predicted for flat" in first.notes
+    c = first.costs[0]
+    assert c["full"].bwd_ms > c["none"].bwd_ms and c["op_sac"].bwd_ms > c["none"].bwd_ms
+    assert [x.ms for x in c.values()] == [x.ms for x in second.costs[0].values()]
+
+
 def bare_step_peak(treatments: list[str], accum: int) -> int:
     """A training step as Lightning runs it (trainer.step.bare_step), measured from the third step with the training
     state adopted (trainer.step.StepMeter): the figure MeasureCallback reports as peak_total."""

@@ -306,8 +306,9 @@ def _in_the_chain(run: _Run, prof: Profile, batch: Batch, loss_fn: Callable[...,
     scale: dict[str, float] = {}
     for t in chained:
         alone = sum(prof.costs[i][t].ms for i in range(L))
-        if alone > 0:
-            scale[t] = max(0.0, statistics.median(times[t]) - prof.rest_ms) / alone
+        blocks = statistics.median(times[t]) - prof.rest_ms
+        if alone > 0 and blocks > 0:  # a clock too coarse to see the blocks (a test's) leaves them as timed alone
+            scale[t] = blocks / alone
     mean = statistics.mean(scale.values()) if scale else 1.0
     for costs in prof.costs:
         for t, c in costs.items():
