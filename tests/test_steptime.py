@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer import steptime
+from trainer.errors import ConfigError
 from trainer.gpus import Gpu, load_catalogue
 from trainer.steptime import OpTrace, Speed, Work
 
@@ -89,8 +90,10 @@ def test_a_catalogue_gpu_states_its_assumptions() -> None:
         steptime.gpu_speed(Gpu("bare", 2**30))
     assert steptime.speed_for("cuda").name == steptime.REFERENCE_GPU
     assert steptime.speed_for("cuda", "l4-24gb").name == "L4-24GB"
-    with pytest.raises(Exception, match="not in the GPU catalogue; choose from"):
+    with pytest.raises(ConfigError, match="not in the GPU catalogue; choose from"):
         steptime.speed_for("cuda", "Z9000")
+    with pytest.raises(ConfigError, match="--gpu bare: the catalogue entry needs tflops and bandwidth"):
+        steptime.speed_for("cuda", Gpu("bare", 2**30))
 
 
 def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,6 +108,10 @@ def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(steptime, "_CPU", {})
     again = steptime.cpu_speed()
     assert "(cached)" in again.describe() and again.matmul == speed.matmul
+    files[0].write_text(json.dumps({**doc, "matmul": None}))  # edited by hand: measured anew, not a traceback
+    monkeypatch.setattr(steptime, "_CPU", {})
+    assert "measured now" in steptime.cpu_speed().describe()
+    assert json.loads(files[0].read_text())["matmul"] is not None
 
 
 def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:

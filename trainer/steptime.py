@@ -147,10 +147,6 @@ class Work:
     host_copy_bytes: int = 0
     prefetch: bool = True  # offload's copies overlap the compute
 
-    def __add__(self, other: Work) -> Work:
-        return Work(self.ops + other.ops, self.sac_decisions + other.sac_decisions,
-                    self.host_copy_bytes + other.host_copy_bytes, self.prefetch and other.prefetch)  # fmt: skip
-
     def count(self, kind: str) -> int:
         return sum(n for k, n in self.ops.items() if k[0] == kind)
 
@@ -297,7 +293,7 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
     """A catalogue GPU: peak TFLOP/s per dtype and bandwidth at the stated efficiencies; fp32 matmuls run as TF32
     when torch's float32 matmul precision allows it (`torch.set_float32_matmul_precision`)."""
     if not gpu.tflops or not gpu.bandwidth:
-        raise ValueError(f"GPU {gpu.name}: the catalogue entry needs tflops and bandwidth to predict a step time")
+        raise ValueError(f"{gpu.name}: the catalogue entry needs tflops and bandwidth to predict a step time")
     fp32_matmul = fp32_matmul or ("tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32")
     rates = {k: v * 1e12 * GPU_MATMUL_EFFICIENCY for k, v in gpu.tflops.items()}
     if fp32_matmul in rates:
@@ -544,25 +540,23 @@ def cpu_speed(recalibrate: bool = False) -> Speed:
     if key in _CPU and not recalibrate:
         return _CPU[key]
     path = _cache_path(key)
-    doc = None
     if not recalibrate and path.is_file():
         try:
-            doc = json.loads(path.read_text())
-            if doc.get("version") != CALIBRATION_VERSION:
-                doc = None
-        except (OSError, ValueError):
-            doc = None
-    source = "cached"
-    if doc is None:
-        doc = calibrate_cpu()
-        source = "measured now"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(doc))
-            tmp.replace(path)
-        except OSError:
-            source = "measured now, not cached: the cache folder is not writable"
+            cached = json.loads(path.read_text())
+            if cached["version"] == CALIBRATION_VERSION:
+                _CPU[key] = speed = _speed_from(cached, "cached")
+                return speed
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            pass  # unreadable, another version's or half-written by hand: measured anew
+    doc = calibrate_cpu()
+    source = "measured now"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
+    except OSError:
+        source = "measured now, not cached: the cache folder is not writable"
     _CPU[key] = speed = _speed_from(doc, source)
     return speed
 
@@ -582,7 +576,10 @@ def speed_for(device: str, gpu: Gpu | str | None = None, catalogue: list[str] | 
         if found is None:
             raise ConfigError(f"--gpu {name}: not in the GPU catalogue; choose from {', '.join(gpus)} (conf/gpu/)")
         gpu = found
-    return gpu_speed(gpu)
+    try:
+        return gpu_speed(gpu)
+    except ValueError as e:  # a catalogue entry of memory only
+        raise ConfigError(f"--gpu {e}") from None
 
 
 def speed_here(device: torch.device | str, recalibrate: bool = False) -> Speed:
