@@ -16,10 +16,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer import metrics
+from trainer.core.rundir import discard_run_dir, write_json_atomic
+from trainer.core.schema import describe_user_error, register_configs, validate
 from trainer.errors import RunFailed
-from trainer.rundir import discard_run_dir, write_json_atomic
-from trainer.schema import describe_user_error, register_configs, validate
+from trainer.measure import metrics
 
 register_configs()
 
@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
         # Lightning and datasets load.
         config = validate(cfg)
         build_policy(config.policy)
-        from trainer.run import train
+        from trainer.core.run import train
 
         summary = train(config, run_dir, keep_refused=hydra_cfg.mode == RunMode.MULTIRUN)
     except Exception as e:

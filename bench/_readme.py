@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from trainer.measure.steptime import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
-from trainer.steptime import cpu_name
 
 __all__ = ["README", "ROOT", "cpu_name", "environment", "environment_text", "replace_block"]
 

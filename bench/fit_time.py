@@ -46,8 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(out.read_text())
     print(f"{' '.join(overrides)}, --device cuda, precision {doc['estimate']['precision']}, on {cpu_name()}")
     worlds = ", ".join(map(str, doc["fit_worlds_estimated"]))
-    print(f"estimate alone {one:.1f} s; estimate with --fit {fit:.1f} s: {fit / one:.2f}× "
-          f"({len(doc['fit'])} cells; world sizes estimated: {worlds})")  # fmt: skip
+    print(
+        f"estimate alone {one:.1f} s; estimate with --fit {fit:.1f} s: {fit / one:.2f}× "
+        f"({len(doc['fit'])} cells; world sizes estimated: {worlds})"
+    )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""What every benchmark measures with: the composed config's DecoderModule stepped by `trainer.step.bare_step`.
+"""What every benchmark measures with: the composed config's DecoderModule stepped by `trainer.core.step.bare_step`.
 
     config, env = bench_config(["model=tiny", "model.vocab_size=32768"], "cpu")
     h = Harness(config, "cpu")          # the module (seeded as a run seeds it), its AdamW + schedule, the plugin
@@ -7,12 +7,12 @@
     h.measure() -> Figures              # StepMeter (activation / whole-step / head peak) and count_flops
     h.timed() -> seconds                # one step, wall time
 
-Nothing here is a second definition of the step: the module is `trainer.module.DecoderModule` built from the config
-train.py composes, its optimizer and scheduler come from `trainer.step.optimizers_of`, the forward context from
-`trainer.precision.plugin` (what Lightning's Trainer builds for the same precision string), the step is
-`trainer.step.bare_step` and the memory figures are `trainer.step.StepMeter`'s, the ones a run logs. Batches are
-random tokens (no data set is read), fixed per harness, kept on the host and moved to the device every step as a
-loader's batch is.
+Nothing here is a second definition of the step: the module is `trainer.core.module.DecoderModule` built from the config
+train.py composes, its optimizer and scheduler come from `trainer.core.step.optimizers_of`, the forward context from
+`trainer.precision.plugin` (what Lightning's Trainer builds for the same precision string), the step
+is `trainer.core.step.bare_step` and the memory figures are `trainer.core.step.StepMeter`'s,
+the ones a run logs. Batches are random tokens (no data set is read), fixed per harness, kept on the host and moved
+to the device every step as a loader's batch is.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from bench._readme import environment
-from trainer import build, estimate
-from trainer.flops import count_flops
+from trainer import estimate
+from trainer.core import build
+from trainer.core.module import DecoderModule
+from trainer.core.schema import Config, compose_config
+from trainer.core.step import StepMeter, bare_step, optimizers_of
 from trainer.loss import LossConfig
-from trainer.module import DecoderModule
+from trainer.measure.flops import count_flops
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy, build_policy
 from trainer.precision import plugin
-from trainer.schema import Config, compose_config
-from trainer.step import StepMeter, bare_step, optimizers_of
 
 
 class BenchError(ValueError):
@@ -45,7 +46,7 @@ class BenchError(ValueError):
 
 
 def bench_config(overrides: Sequence[str], device_type: str) -> tuple[Config, dict[str, Any]]:
-    """train.py's config from `overrides` (`trainer.schema.compose_config`), with `precision` settled for this
+    """train.py's config from `overrides` (`trainer.core.schema.compose_config`), with `precision` settled for this
     device as a run settles it (so the estimator and the measured step run the same precision), and the
     environment line of the tables."""
     config = compose_config(list(overrides))
@@ -254,19 +255,25 @@ class Harness:
     def profile(self, treatments: Sequence[str] = ("none", "selective", "op_sac", "full"), repeats: int = 5) -> Any:
         """The planner's profile of this module on its first micro-batch, as policy=auto's callback takes it at fit
         start (`trainer.planner.profile_model`, the configured loss head, the run's AdamW and clipping)."""
-        from trainer.module import param_groups
+        from trainer.core.module import param_groups
         from trainer.planner import default_optimizer, profile_model
 
-        auto = build_policy({"name": "auto", "budget_mib": 1, "candidates": list(treatments),
-                             "profile_repeats": repeats})  # fmt: skip
+        auto = build_policy(
+            {"name": "auto", "budget_mib": 1, "candidates": list(treatments), "profile_repeats": repeats}
+        )
         wd = self.config.optim.weight_decay
         with quiet_policy_notices():
             return profile_model(
-                self.module.model, self.batches()[0], auto,
+                self.module.model,
+                self.batches()[0],
+                auto,
                 loss_fns={self.module.loss_config.name: self.module.loss_of},
-                precision=self.precision, accum=self.config.accum, make_optimizer=default_optimizer(wd),
-                param_groups=param_groups(self.module.model, wd), grad_clip=self.config.trainer.grad_clip,
-            )  # fmt: skip
+                precision=self.precision,
+                accum=self.config.accum,
+                make_optimizer=default_optimizer(wd),
+                param_groups=param_groups(self.module.model, wd),
+                grad_clip=self.config.trainer.grad_clip,
+            )
 
     def timed(self, variant: Variant) -> float:
         self.use(variant)

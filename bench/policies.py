@@ -6,14 +6,14 @@
     python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
 Positional arguments are Hydra overrides, as for train.py (`model.attention=sdpa`, `optim.lr=3e-4`); each model of
-`--models` is composed with them (`trainer.schema.compose_config`), and `precision=auto` settles as a run settles
+`--models` is composed with them (`trainer.core.schema.compose_config`), and `precision=auto` settles as a run settles
 it (`trainer.precision.resolve`).
 
-One process. Per configuration one module (`trainer.module.DecoderModule`, seeded as train.py seeds it) and one
+One process. Per configuration one module (`trainer.core.module.DecoderModule`, seeded as train.py seeds it) and one
 fixed batch of random tokens (no data set is read, so any vocabulary works). Everything runs the one training step
-as Lightning runs it, `trainer.step.bare_step` (bench/harness.py): forward in the precision plugin's context,
+as Lightning runs it, `trainer.core.step.bare_step` (bench/harness.py): forward in the precision plugin's context,
 zero_grad after the first forward, backward, gradient norm, clipping, AdamW and LR step from
-`trainer.step.optimizers_of`. Policies (`apply_policy`) and loss heads are switched on that one module between
+`trainer.core.step.optimizers_of`. Policies (`apply_policy`) and loss heads are switched on that one module between
 steps, so no variant gets other weights or another batch.
 
 * Policies: every registered one (`trainer.policies.POLICIES`) with its conf/policy/<name>.yaml parameters; one
@@ -27,9 +27,9 @@ steps, so no variant gets other weights or another batch.
 * Step time: after warm-up, interleaved rounds; in round r every variant of a configuration runs one step, the
   order rotated by r. Step time is the median over rounds; "× none" ("× standard") is the median over rounds of
   the per-round ratio, which pairs steps that ran close together and so cancels slow drifts of a shared machine.
-* Memory: an untimed step per variant under `trainer.step.StepMeter`: activation peak (memory/activation_peak_mib),
+* Memory: an untimed step per variant under `trainer.core.step.StepMeter`: activation peak (memory/activation_peak_mib),
   the whole step's peak (memory/peak_total_mib), the head's peak; on CUDA also the allocator's peak.
-* FLOPs: `trainer.flops.count_flops` over one more untimed step (forward + backward, recompute included); ops it
+* FLOPs: `trainer.measure.flops.count_flops` over one more untimed step (forward + backward, recompute included); ops it
   has no formula for are named (a fused kernel's FLOPs it cannot see).
 * est.: `trainer.estimate` (open_session + measure) for the same config, policy and head, on fake tensors.
 * Framework overhead: policy `none`, the bare step against a real `lightning.Trainer.fit` of the same
@@ -80,12 +80,12 @@ from bench.harness import (
     sync,
 )
 from bench.policies_report import report, targets
+from trainer.core.schema import Config, describe_user_error
+from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
+from trainer.measure.steptime import speed_here
 from trainer.planner import PeakModel
 from trainer.policies import Policy, policy_params
-from trainer.schema import Config, describe_user_error
-from trainer.steptime import speed_here
-from trainer.text import MIB
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"
@@ -361,8 +361,9 @@ def _measure(s: Section, device: torch.device, rounds: int, warmup: int, phases:
     return out
 
 
-def _row(s: Section, index: int, spec: RowSpec, m: dict[str, Any], est: dict[str, Any],
-         est_errors: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def _row(
+    s: Section, index: int, spec: RowSpec, m: dict[str, Any], est: dict[str, Any], est_errors: dict[str, str]
+) -> dict[str, Any]:
     """One table row: a variant beside its base (none, or the standard head), measured and estimated."""
     f, t = m["figures"][spec.key], m["times"][spec.key]
     fb, tb = m["figures"][spec.base], m["times"][spec.base]
@@ -582,8 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     args.command = command_line(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__} ({build}); use "
-              "--device cpu", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: --device cuda: no CUDA device is visible to torch {torch.__version__} ({build}); use --device cpu",
+            file=sys.stderr,
+        )
         return 2
     if args.threads or args.device == "cpu":
         # One thread by default on CPU: on 2 cores shared with other work, a second thread's spin-waits made a tiny

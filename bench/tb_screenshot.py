@@ -112,10 +112,22 @@ class TensorBoard:
         exe = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
         cmd = [exe] if exe else [sys.executable, "-m", "tensorboard.main"]
         self.proc = subprocess.Popen(
-            [*cmd, "--logdir", str(self.logdir), "--port", str(self.port), "--host", "127.0.0.1",
-             "--reload_interval", "0", "--load_fast", "false"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                *cmd,
+                "--logdir",
+                str(self.logdir),
+                "--port",
+                str(self.port),
+                "--host",
+                "127.0.0.1",
+                "--reload_interval",
+                "0",
+                "--load_fast",
+                "false",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -197,9 +209,14 @@ def screenshot(chromium: str, url: str, png: Path, size: tuple[int, int] = (1400
     """One headless-Chromium screenshot of `url` after `budget_ms` of virtual time (the page's fetches finish)."""
     with tempfile.TemporaryDirectory(prefix="tb-chromium-") as profile:
         cmd = [
-            chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
-            f"--virtual-time-budget={budget_ms}", f"--screenshot={png}", url,
-        ]  # fmt: skip
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={size[0]},{size[1]}",
+            f"--virtual-time-budget={budget_ms}",
+            f"--screenshot={png}",
+            url,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if r.returncode != 0 or not png.is_file():
         raise RuntimeError(f"chromium failed ({r.returncode}): {r.stderr[-2000:]}")

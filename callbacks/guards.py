@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainer import metrics as M
+from trainer.measure import metrics as M
 
 log = logging.getLogger(__name__)
 

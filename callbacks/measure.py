@@ -1,6 +1,6 @@
 """The measuring callback: per optimizer step, the figures a team compares policies by.
 
-Logged to TensorBoard at each optimizer step (`global_step`; tag names in trainer/metrics.py):
+Logged to TensorBoard at each optimizer step (`global_step`; tag names in trainer/measure/metrics.py):
   train/loss                     mean loss over the step's micro-batches
   train/lr                       learning rate of the first param group
   time/step_ms                   wall time of the whole optimizer step (all micro-batches), CUDA-synchronised
@@ -11,7 +11,7 @@ Logged to TensorBoard at each optimizer step (`global_step`; tag names in traine
                                  transients: the allocator's peak on CUDA, the tracker's on tracked CPU steps
   memory/peak_allocated_mib, memory/peak_reserved_mib, memory/alloc_retries   (CUDA; peaks reset every step)
 
-The memory figures are taken by a `trainer.step.StepMeter`, the same object the estimator and the benchmarks use
+The memory figures are taken by a `trainer.core.step.StepMeter`, the same object the estimator and the benchmarks use
 over a bare step, so "estimate = run" compares like with like.
 
 Why not Lightning's ThroughputMonitor: the summary's step time is a median over the steps after warm-up that leaves
@@ -27,10 +27,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainer import metrics as M
-from trainer.memory import cuda_memory_counters, reset_cuda_peaks
-from trainer.step import StepMeter
-from trainer.text import MIB
+from trainer.core.step import StepMeter
+from trainer.formatting import MIB
+from trainer.measure import metrics as M
+from trainer.measure.memory import cuda_memory_counters, reset_cuda_peaks
 
 # The tags this callback logs, each optimizer step (the CUDA ones on CUDA only).
 LOGGED = frozenset({M.TRAIN_LOSS, M.TRAIN_LR, M.STEP_MS, M.TOKENS_PER_S, M.ACTIVATION_PEAK, M.PEAK_TOTAL, *M.CUDA_TAGS})

@@ -25,8 +25,9 @@ import lightning as L
 import torch
 
 from callbacks.measure import MeasureCallback
-from trainer import metrics as M
+from trainer.formatting import MIB
 from trainer.loss import LossConfig
+from trainer.measure import metrics as M
 from trainer.planner import (
     PeakModel,
     PlanResult,
@@ -38,7 +39,6 @@ from trainer.planner import (
     solve_profile,
 )
 from trainer.policies import Policy, PolicyError, apply_policy, register_callback
-from trainer.text import MIB
 
 log = logging.getLogger(__name__)
 

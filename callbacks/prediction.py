@@ -1,7 +1,7 @@
 """Every run predicts itself: at fit start, before the first step, the estimator runs this run's configuration on
 fake tensors (the same code as `python -m trainer.estimate`: the module built as the run builds it, one steady
 step as Lightning runs it), and summary.json carries the prediction beside the measurement with the signed error
-of each (`trainer.metrics.PREDICTIONS`). So every run a user makes, on any hardware, is a check of the estimate.
+of each (`trainer.measure.metrics.PREDICTIONS`). So every run a user makes, on any hardware, is a check of the estimate.
 
 The policy and loss head are the ones the run trains with: under `policy=auto`, the plan its planner chose (this
 callback runs after it). Each rank predicts its own share (FSDP2 shards the state across the ranks). A model the
@@ -17,8 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainer import metrics as M
-from trainer.text import MIB, one_line
+from trainer.formatting import MIB, one_line
+from trainer.measure import metrics as M
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from trainer.memory import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
-from trainer.step import training_state
+from trainer.core.step import training_state
+from trainer.measure.memory import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ What TensorBoard does with what a run writes (read in 2.21's source), and what t
   (`SHOWN_HPARAMS`, five, so all are ticked) marked `differs`, closed sets with their domain (so the table can
   filter them), the session status from the run's status.
 * Custom Scalars: charts for the device the run is on (the CUDA counters only on CUDA), every per-step tag of
-  trainer/metrics.py on one of them, matched exactly.
+  trainer/measure/metrics.py on one of them, matched exactly.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from trainer import metrics as M
+from trainer.measure import metrics as M
 
 # --- Custom Scalars -------------------------------------------------------------------------------------------------
-# category -> chart title -> tags (trainer/metrics.py). One line per tag and run ("Multiline").
+# category -> chart title -> tags (trainer/measure/metrics.py). One line per tag and run ("Multiline").
 CHARTS: dict[str, dict[str, tuple[str, ...]]] = {
     "memory": {
         "activation peak (MiB, live tensors of one micro-batch): measured and predicted": (
@@ -171,11 +171,15 @@ def hparams_summaries(
         end_time_secs=time.time(),
     )
     pieces = (
-        (metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=api_pb2.Experiment(
-            hparam_infos=infos, metric_infos=columns, time_created_secs=time.time()))),
+        (
+            metadata.EXPERIMENT_TAG,
+            plugin_data_pb2.HParamsPluginData(
+                experiment=api_pb2.Experiment(hparam_infos=infos, metric_infos=columns, time_created_secs=time.time())
+            ),
+        ),
         (metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=start)),
         (metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=end)),
-    )  # fmt: skip
+    )
     summaries = []
     for tag, data in pieces:
         summary = Summary()

@@ -82,13 +82,18 @@ def attn_implementation(cls: type, attention: str) -> str:
         return ATTENTION_NAME if has_attention_seam(cls) else "eager"
     if not getattr(cls, "_supports_sdpa", False):
         version = _transformers().__version__
-        raise HFModelError(f"{cls.__name__} has no SDPA attention in transformers {version}; use "
-                           "model.attention=eager")  # fmt: skip
+        raise HFModelError(f"{cls.__name__} has no SDPA attention in transformers {version}; use model.attention=eager")
     return "sdpa"
 
 
-def _ckptlab_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+def _ckptlab_eager(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     eager = _eager_function(module)
     if eager is None:  # refused at load time; kept as a clear failure should a model change under us
         raise HFModelError(f"{type(module).__name__} has no eager_attention_forward to run")
@@ -114,8 +119,9 @@ def resolve(name_or_path: str) -> tuple[str, bool, str]:
     path = Path(name_or_path).expanduser()
     if path.exists() or name_or_path.startswith((".", "/", "~")):
         if not path.is_dir():
-            raise HFModelError(f"model.name_or_path={name_or_path}: no such folder; give a folder with config.json "
-                               "or a hub id")  # fmt: skip
+            raise HFModelError(
+                f"model.name_or_path={name_or_path}: no such folder; give a folder with config.json or a hub id"
+            )
         if not (path / "config.json").is_file():
             raise HFModelError(
                 f"model.name_or_path={name_or_path}: the folder has no config.json; point it at a saved Hugging "
@@ -176,14 +182,17 @@ def load_causal_lm(
                 where, config=config, attn_implementation=impl, local_files_only=local_only, dtype=torch.float32
             )
         except Exception as e:
-            raise HFModelError(f"model.name_or_path={name_or_path}: cannot load its weights ({_one_line(e, 160)}); "
-                               "model.pretrained=false initialises them from the config instead") from None  # fmt: skip
+            raise HFModelError(
+                f"model.name_or_path={name_or_path}: cannot load its weights ({_one_line(e, 160)}); "
+                "model.pretrained=false initialises them from the config instead"
+            ) from None
     else:
         try:
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
         except Exception as e:  # transformers refuses its own config (e.g. an inconsistent layer pattern)
-            raise HFModelError(f"model.name_or_path={name_or_path}: transformers cannot build it from its config "
-                               f"({_one_line(e, 160)})") from None  # fmt: skip
+            raise HFModelError(
+                f"model.name_or_path={name_or_path}: transformers cannot build it from its config ({_one_line(e, 160)})"
+            ) from None
     model.config.use_cache = False  # training: no KV cache
     adapter = HFAdapter(model)
     adapter.logit_transform  # noqa: B018  (a head the loss cannot follow is refused now, not at the first step)

@@ -74,8 +74,13 @@ class _Evaluator:
             if not hasattr(base, node.attr):
                 raise _Unknown(ast.unparse(node))
             return getattr(base, node.attr)
-        if (isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute)
-                and node.func.attr.startswith("get_")):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and not node.args
+            and not node.keywords
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr.startswith("get_")
+        ):
             return self(node.func)()  # a getter (config.get_text_config()); nothing with side effects
         if isinstance(node, ast.NamedExpr):
             value = self(node.value)
@@ -88,9 +93,16 @@ class _Evaluator:
             return all(values) if isinstance(node.op, ast.And) else any(values)
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
             a, b, op = self(node.left), self(node.comparators[0]), node.ops[0]
-            compare = {ast.Is: lambda: a is b, ast.IsNot: lambda: a is not b, ast.Eq: lambda: a == b,
-                       ast.NotEq: lambda: a != b, ast.Gt: lambda: a > b, ast.GtE: lambda: a >= b,
-                       ast.Lt: lambda: a < b, ast.LtE: lambda: a <= b}  # fmt: skip
+            compare = {
+                ast.Is: lambda: a is b,
+                ast.IsNot: lambda: a is not b,
+                ast.Eq: lambda: a == b,
+                ast.NotEq: lambda: a != b,
+                ast.Gt: lambda: a > b,
+                ast.GtE: lambda: a >= b,
+                ast.Lt: lambda: a < b,
+                ast.LtE: lambda: a <= b,
+            }
             if type(op) in compare:
                 return compare[type(op)]()
         raise _Unknown(ast.unparse(node))
@@ -357,9 +369,11 @@ def layer_output(owner: nn.Module, attr: str) -> LayerOutput | None:
         loop
         for loop in ast.walk(fn)
         if isinstance(loop, ast.For)
-        and any(isinstance(n, ast.Attribute) and n.attr == attr and ast.unparse(n.value) == "self"
-                for n in ast.walk(loop.iter))
-    ]  # fmt: skip
+        and any(
+            isinstance(n, ast.Attribute) and n.attr == attr and ast.unparse(n.value) == "self"
+            for n in ast.walk(loop.iter)
+        )
+    ]
     outer = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))]
     if any(o is not loop and any(n is loop for n in ast.walk(o)) for loop in loops for o in outer):
         return LayerOutput("repeats")  # an outer loop runs (a section of) the layers again: Dory's recurrence

@@ -1,5 +1,5 @@
 """The Hugging Face hub, asked politely: is offline mode requested, is the endpoint reachable (with a timeout of
-our own), and offline mode for one call. Shared by datasets from the hub (trainer/data.py) and models from the
+our own), and offline mode for one call. Shared by datasets from the hub (trainer/core/data.py) and models from the
 hub (models/hf.py), so that an offline machine fails in a second with one line instead of retrying for tens of
 seconds."""
 

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from models import FAMILIES  # noqa: E402
-from trainer.schema import register_configs  # noqa: E402
+from trainer.core.schema import register_configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -96,51 +96,107 @@ def hf_configs() -> dict[str, object]:
     common = {"vocab_size": HF_VOCAB, "bos_token_id": 0, "eos_token_id": 0}
     return {
         "llama": transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, attention_dropout=0.1, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+            **common,
         ),
         "gpt2": transformers.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=128, **common),
         "qwen2": transformers.Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, attention_dropout=0.1, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+            **common,
         ),
         # a hybrid: Mamba layers (no attention, so no core to recompute) between attention layers
         "jamba": transformers.JambaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=8, mamba_d_state=4, mamba_dt_rank=4,
-            use_mamba_kernels=False, attention_dropout=0.1, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=8,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+            use_mamba_kernels=False,
+            attention_dropout=0.1,
+            **common,
         ),
         # its layers hand router state to the next layer (`return hidden_states, prev_router_hidden_states`)
         "zaya": transformers.ZayaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
-            max_position_embeddings=128, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **common,
         ),
         # its forward scales the logits (`logits * self.logit_scale`) before its loss
         "cohere": transformers.CohereConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, attention_dropout=0.1, logit_scale=0.0625, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+            logit_scale=0.0625,
+            **common,
         ),
         # final logit soft-capping, c·tanh(logits / c) (Gemma-2's c is 30; 1 here, so it matters at random weights);
         # no SDPA in transformers
         "gemma2": transformers.Gemma2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, max_position_embeddings=128, attention_dropout=0.1, sliding_window=16,
-            final_logit_softcapping=1.0, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+            sliding_window=16,
+            final_logit_softcapping=1.0,
+            **common,
         ),
         # its layers live one level down (model.decoder.layers)
         "opt": transformers.OPTConfig(
-            hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128,
-            word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1, **common,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            word_embed_proj_dim=32,
+            dropout=0.1,
+            attention_dropout=0.1,
+            **common,
         ),
         # attention computed inline (no swappable function); layers return (output, attn_weights), the loop reads [0]
         "falcon": transformers.FalconConfig(
-            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, new_decoder_architecture=False,
-            multi_query=True, attention_dropout=0.1, hidden_dropout=0.1, **common,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=True,
+            attention_dropout=0.1,
+            hidden_dropout=0.1,
+            **common,
         ),
         # ALiBi, attention inline, no SDPA in transformers
-        "bloom": transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=4, attention_dropout=0.1,
-                                          hidden_dropout=0.1, **common),
-    }  # fmt: skip
+        "bloom": transformers.BloomConfig(
+            hidden_size=32, n_layer=4, n_head=4, attention_dropout=0.1, hidden_dropout=0.1, **common
+        ),
+    }
 
 
 @pytest.fixture(scope="session")

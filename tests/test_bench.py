@@ -115,8 +115,14 @@ def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
     assert ("(native bf16)" in head) is native
     assert "Not run: `auto`" in head
     uniform = [f"{t}:" for t in ("none", "selective", "op_sac", "full") for _ in ("profile", "roofline")]
-    assert [t["target"].split()[0] for t in data["targets"]] == ["full", "selective", "Lightning", "activation",
-                                                                   *uniform, "full:"]  # fmt: skip
+    assert [t["target"].split()[0] for t in data["targets"]] == [
+        "full",
+        "selective",
+        "Lightning",
+        "activation",
+        *uniform,
+        "full:",
+    ]
     # both step-time sources predicted every uniform policy; composite plans (groups) have the roofline only
     rows = {r["name"]: r for r in data["rows"] if r["kind"] == "policy"}
     for t in ("none", "selective", "op_sac", "full"):

@@ -14,8 +14,15 @@ from tests.conftest import CLI_ENV, ROOT
 from trainer.check import group_of, main
 
 SHRINK = ["seq_len=32", "batch_size=2", "measure.warmup_steps=1"]
-LLAMA = ["model=llama-tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2",
-         "model.mlp_hidden=128", "model.dropout=0.1"]  # fmt: skip
+LLAMA = [
+    "model=llama-tiny",
+    "model.n_layer=2",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.mlp_hidden=128",
+    "model.dropout=0.1",
+]
 
 
 @pytest.mark.parametrize("policy", [["policy=selective"], ["policy=sqrt"], ["policy=op_sac", "accum=2"]])
@@ -32,8 +39,9 @@ def test_auto_plans_first_then_compares(capsys: pytest.CaptureFixture[str]) -> N
     assert out.startswith("policy=auto (plan [0-1]:none)")  # a roomy budget keeps everything
 
 
-def test_a_policy_that_loses_the_dropout_masks_is_caught(capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_policy_that_loses_the_dropout_masks_is_caught(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Recompute without the RNG state draws new dropout masks: the gradients differ, and the check names where."""
     from torch.utils.checkpoint import checkpoint
 
@@ -50,8 +58,9 @@ def test_a_policy_that_loses_the_dropout_masks_is_caught(capsys: pytest.CaptureF
     assert " at step 0: max |Δgrad| " in lines[0] and "differs: model." in out
 
 
-def test_an_hf_model_is_checked_against_its_own_loss(capsys: pytest.CaptureFixture[str], hf_models: dict[str, Path],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_an_hf_model_is_checked_against_its_own_loss(
+    capsys: pytest.CaptureFixture[str], hf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """For an HF model the check also compares the training loss with the model's own forward (labels=): equal for
     Cohere, whose forward scales its logits, and caught when the head skips that scale."""
     from models.adapter import LogitTransform
@@ -99,7 +108,13 @@ def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: 
 
 @pytest.mark.slow
 def test_cli_as_the_readme_says(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "trainer.check", *LLAMA, *SHRINK, "policy=auto", "policy.budget_mib=2.2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=CLI_ENV)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.check", *LLAMA, *SHRINK, "policy=auto", "policy.budget_mib=2.2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "equal: every loss and gradient under auto matches none (bitwise)" in r.stdout

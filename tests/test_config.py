@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from tests.conftest import CONF, SMALL, run_cli
+from trainer.core.rundir import discard_run_dir
+from trainer.core.schema import Config, ConfigError, validate
 from trainer.policies import POLICIES, build_policy
-from trainer.rundir import discard_run_dir
-from trainer.schema import Config, ConfigError, validate
 
 POLICY_FILES = sorted(p.stem for p in (CONF / "policy").glob("*.yaml"))
 

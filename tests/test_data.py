@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import (
+from trainer.core.data import (
     BYTE_DOC_SEPARATOR,
     EOT,
     DataConfig,
@@ -163,7 +163,7 @@ def test_second_prepare_uses_cache(tmp_path: Path, caplog: pytest.LogCaptureFixt
     mtime = npy.stat().st_mtime_ns
     meta = json.loads((dm.cache_path / "meta.json").read_text())
     assert meta["vocab_size"] == 256 and meta["train_tokens"] == dm.train_tokens
-    caplog.set_level(logging.INFO, logger="trainer.data")
+    caplog.set_level(logging.INFO, logger="trainer.core.data")
     again = make_dm(tmp_path)
     t0 = time.perf_counter()
     ready(again)
@@ -265,7 +265,7 @@ def test_local_glob(tmp_path: Path) -> None:
 def test_invalid_utf8_decoded_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     f = tmp_path / "latin1.txt"
     f.write_bytes(("\n".join(real_text()[:5]) + "\ncaf\xe9 na\xefve\n").encode("latin-1", errors="replace"))
-    caplog.set_level(logging.WARNING, logger="trainer.data")
+    caplog.set_level(logging.WARNING, logger="trainer.core.data")
     dm = ready(make_dm(tmp_path, source="local", path=[str(f)], seq_len=32, batch_size=2))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "UTF-8" in r.getMessage()]
     assert len(warnings) == 1 and str(f) in warnings[0].getMessage()
@@ -431,7 +431,7 @@ def test_hub_loads_text_field(tmp_path: Path) -> None:
 def test_data_overrides_compose_and_a_mistyped_value_is_one_line(compose_cfg: Any) -> None:
     from hydra.errors import ConfigCompositionException
 
-    from trainer.schema import describe_user_error, validate
+    from trainer.core.schema import describe_user_error, validate
 
     config = validate(compose_cfg("data=local", "data.path=[a.txt,b/]", "data.name=wikitext"))
     assert config.data.path == ["a.txt", "b/"] and config.data.name == "wikitext"

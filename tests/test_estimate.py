@@ -1,6 +1,6 @@
 """The estimator held to real training runs: for every registered policy, on every model family (GPT, LLaMA,
 Hugging Face Llama and GPT-2) at two shapes, the estimate's activation peak and whole-step peak against the
-`activation_peak_mib` and `peak_total_mib` a real `trainer.run.train` run writes to summary.json; FLOPs against
+`activation_peak_mib` and `peak_total_mib` a real `trainer.core.run.train` run writes to summary.json; FLOPs against
 FlopCounterMode over a real step; Korthikanti et al.'s per-layer bytes at GPT-3's layer shape; the command line.
 
 The estimator runs the real module on fake tensors through the same step and the same StepMeter as the run, so the
@@ -22,6 +22,8 @@ import torch
 from models import FAMILIES
 from tests.conftest import NATIVE_FAMILIES, ROOT
 from trainer import precision
+from trainer.core.run import train
+from trainer.core.schema import compose_config, validate
 from trainer.estimate import (
     CudaKernelRules,
     Estimate,
@@ -32,10 +34,8 @@ from trainer.estimate import (
     open_session,
     parse_bytes,
 )
+from trainer.formatting import MIB
 from trainer.policies import POLICIES, build_policy, policy_params
-from trainer.run import train
-from trainer.schema import compose_config, validate
-from trainer.text import MIB
 
 ESTIMATE_TOLERANCE = 0.005  # the contract, relative
 # What is observed on these shapes: the run holds 8 bytes more (one of Lightning's scalars). An absolute bound as well,
@@ -50,15 +50,27 @@ MODELS = {
     # layers one level down (model.decoder.layers); attention inline with transformers' own eager (no SDPA)
     "hf-opt": ["model=hf", "model.attention=eager"],
     "hf-bloom": ["model=hf", "model.attention=eager"],
-}  # fmt: skip
+}
 # Two shapes: fp32 with the standard head; bf16 autocast with accumulation, SDPA and the chunked head.
 SHAPES = {
     "fp32": ["seq_len=32", "batch_size=4", "precision=32-true"],
-    "bf16-accum-chunked": ["seq_len=24", "batch_size=2", "accum=2", "precision=bf16-mixed", "model.attention=sdpa",
-                           "loss=chunked", "loss.chunk_tokens=16"],
-}  # fmt: skip
-RUN = ["trainer.max_steps=2", "trainer.enable_checkpointing=false", "trainer.val_batches=1",
-       "measure.warmup_steps=1", "measure.activation_every_n_steps=1"]  # fmt: skip
+    "bf16-accum-chunked": [
+        "seq_len=24",
+        "batch_size=2",
+        "accum=2",
+        "precision=bf16-mixed",
+        "model.attention=sdpa",
+        "loss=chunked",
+        "loss.chunk_tokens=16",
+    ],
+}
+RUN = [
+    "trainer.max_steps=2",
+    "trainer.enable_checkpointing=false",
+    "trainer.val_batches=1",
+    "measure.warmup_steps=1",
+    "measure.activation_every_n_steps=1",
+]
 POLICY_NAMES = [p for p in POLICIES if p != "auto"]  # auto plans at fit start: tests/test_planner.py
 
 
@@ -99,17 +111,22 @@ CASES += [("hf-opt", "fp32", p) for p in POLICY_NAMES] + [("hf-bloom", "fp32", p
 
 @pytest.mark.parametrize("model, shape, policy", CASES)
 def test_estimate_equals_a_training_run(
-    compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], tmp_path: Path,
-    model: str, shape: str, policy: str,
-) -> None:  # fmt: skip
+    compose_cfg: Callable[..., Any],
+    overrides: Callable[[str, str], list[str]],
+    tmp_path: Path,
+    model: str,
+    shape: str,
+    policy: str,
+) -> None:
     cfg = _with_policy(compose_cfg(*overrides(model, shape), *RUN), policy)
     est = measure(open_session(validate(cfg)), build_policy(validate(cfg).policy))
     summary = train(cfg, tmp_path / "run")
     assert_estimate_equals_run(est, summary)
 
 
-def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]],
-                                 tmp_path: Path) -> None:  # fmt: skip
+def test_the_comparison_can_fail(
+    compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], tmp_path: Path
+) -> None:
     """The tolerance is tight enough to catch the effects the estimate must model: the CUDA kernel rules applied to a
     CPU run (1-byte dropout masks) miss it, and so does the wrong loss head at a vocabulary where the head matters
     (the standard head's bytes for a chunked run)."""
@@ -134,8 +151,8 @@ def test_the_comparison_can_fail(compose_cfg: Callable[..., Any], overrides: Cal
 def test_flops_equal_flop_counter_over_a_real_step(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], model: str
 ) -> None:
-    from trainer import build
-    from trainer.flops import count_flops
+    from trainer.core import build
+    from trainer.measure.flops import count_flops
 
     config = validate(compose_cfg(*overrides(model, "fp32")))
     session = open_session(config)
@@ -156,9 +173,17 @@ def test_flops_equal_flop_counter_over_a_real_step(
 # ----------------------------------------------------------------------------------------------------
 
 GPT3_LAYER = [
-    "model=gpt2", "model.n_layer=1", "model.n_embd=12288", "model.n_head=96", "model.block_size=2048",
-    "seq_len=2048", "batch_size=1", "model.attention=eager", "model.dropout=0.1", "precision=bf16-true",
-]  # fmt: skip
+    "model=gpt2",
+    "model.n_layer=1",
+    "model.n_embd=12288",
+    "model.n_head=96",
+    "model.block_size=2048",
+    "seq_len=2048",
+    "batch_size=1",
+    "model.attention=eager",
+    "model.dropout=0.1",
+    "precision=bf16-true",
+]
 
 
 @pytest.mark.parametrize("policy, mib", [("none", 2740.0), ("selective", 816.0), ("full", 48.0)])
@@ -172,8 +197,16 @@ def test_korthikanti_table_2_at_gpt3_layer_shape(policy: str, mib: float) -> Non
 
 def test_cuda_rules_translate_exactly_what_they_name(compose_cfg: Callable[..., Any]) -> None:
     """On a shape small enough to count by hand: each dropout mask drops from the input dtype to 1 byte."""
-    config = validate(compose_cfg("model=micro", "model.n_layer=1", "seq_len=16", "batch_size=2",
-                                  "precision=bf16-true", "model.attention=eager"))  # fmt: skip
+    config = validate(
+        compose_cfg(
+            "model=micro",
+            "model.n_layer=1",
+            "seq_len=16",
+            "batch_size=2",
+            "precision=bf16-true",
+            "model.attention=eager",
+        )
+    )
     cpu = measure(open_session(config, device="cpu"), build_policy("none"))
     cuda = measure(open_session(config, device="cuda"), build_policy("none"))
     B, T, C, H = 2, 16, 32, 2
@@ -235,15 +268,34 @@ def test_parse_budget_refuses(text: str) -> None:
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainer.estimate", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.estimate", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_cli_llama_at_size_prints_the_table_verdict_and_json(tmp_path: Path) -> None:
     """A LLaMA-3-1B-shaped model at 2 × 2048 tokens: no data, no weights allocated."""
     out = tmp_path / "est" / "out.json"
-    r = _cli("model=llama3-1b", "seq_len=2048", "batch_size=2", "policy=full", "precision=bf16-mixed",
-             "--device", "cuda", "--budget", "40GB", "--json", str(out), "--policies", "configured")  # fmt: skip
+    r = _cli(
+        "model=llama3-1b",
+        "seq_len=2048",
+        "batch_size=2",
+        "policy=full",
+        "precision=bf16-mixed",
+        "--device",
+        "cuda",
+        "--budget",
+        "40GB",
+        "--json",
+        str(out),
+        "--policies",
+        "configured",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| full * | [0-15]:full |" in r.stdout and "policy=full fits in 40 GB" in r.stdout
     assert "translated to CUDA's kernels" in r.stdout

@@ -20,14 +20,21 @@ import pytest
 import torch
 
 from tests.conftest import CLI_ENV, ROOT
+from trainer.core.schema import compose_config
 from trainer.export import Answer, ExportRefused, export, main
 from trainer.export.spec import APPROX, EXACT, NOT, elements
 from trainer.policies import Plan, Segment
-from trainer.schema import compose_config
 
 TINY = ["model=tiny", "model.n_embd=64", "model.n_head=2", "seq_len=16", "batch_size=2"]  # GPT, dropout 0.1
-LLAMA = ["model=llama-tiny", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2", "model.mlp_hidden=128",
-         "seq_len=16", "batch_size=2"]  # fmt: skip
+LLAMA = [
+    "model=llama-tiny",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.mlp_hidden=128",
+    "seq_len=16",
+    "batch_size=2",
+]
 EVERY_SECOND = ["policy=per_block", "policy.pattern=[none,full]"]  # blocks 1, 3, 5 checkpointed
 
 
@@ -42,8 +49,11 @@ def exported(to: str, *overrides: str, version: str | None = None) -> Answer:
 def test_megatron_first_k_is_the_block_method_exactly() -> None:
     form = exported("megatron", *LLAMA, "policy=first_k", "policy.k=2").forms[0]
     assert form.verdict == EXACT and form.ours is None  # exact: no figures needed
-    assert form.chosen.settings == {"recompute_granularity": "full", "recompute_method": "block",
-                                    "recompute_num_layers": 2}  # fmt: skip
+    assert form.chosen.settings == {
+        "recompute_granularity": "full",
+        "recompute_method": "block",
+        "recompute_num_layers": 2,
+    }
     assert form.text == "--recompute-granularity full --recompute-method block --recompute-num-layers 2"
     assert [r.element for r in form.rows] == ["blocks 0-1: full", "blocks 2-5: none", "loss head: standard"]
 
@@ -79,17 +89,30 @@ def test_megatron_settings_are_what_its_transformer_config_takes() -> None:
 
     base = {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 2}
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    for policy in (["policy=first_k", "policy.k=2"], ["policy=every_k", "policy.k=2"], ["policy=op_sac"],
-                   ["policy=full"], ["policy=offload"]):  # fmt: skip
+    for policy in (
+        ["policy=first_k", "policy.k=2"],
+        ["policy=every_k", "policy.k=2"],
+        ["policy=op_sac"],
+        ["policy=full"],
+        ["policy=offload"],
+    ):
         form = exported("megatron", *TINY, *policy).forms[0]
         TransformerConfig(**base, **form.chosen.settings)  # accepted
         for flag in form.text.split():
             if flag.startswith("--"):  # each flag is a field's name, as megatron.training makes its flags
                 assert flag[2:].replace("-", "_") in fields, (core.__version__, flag)
-    for bad in ({"recompute_granularity": "full"}, {"recompute_granularity": "selective", "recompute_num_layers": 2},
-                {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
-                 "cpu_offloading": True, "cpu_offloading_num_layers": 2},
-                {"cpu_offloading": True, "cpu_offloading_num_layers": 6}):  # fmt: skip
+    for bad in (
+        {"recompute_granularity": "full"},
+        {"recompute_granularity": "selective", "recompute_num_layers": 2},
+        {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            "cpu_offloading": True,
+            "cpu_offloading_num_layers": 2,
+        },
+        {"cpu_offloading": True, "cpu_offloading_num_layers": 6},
+    ):
         with pytest.raises(ValueError):
             TransformerConfig(**base, **bad)
 
@@ -208,8 +231,9 @@ def test_hf_settings_train_a_tiny_model(
     checkpoints the layers the plan names; the script the export prints builds the same arguments."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (the `hf` extra)")
     folder = hf_models["llama"]
-    form = exported("hf", "model=hf", f"model.name_or_path={folder}", "model.attention=eager", "seq_len=16",
-                    "batch_size=2", *policy).forms[0]  # fmt: skip
+    form = exported(
+        "hf", "model=hf", f"model.name_or_path={folder}", "model.attention=eager", "seq_len=16", "batch_size=2", *policy
+    ).forms[0]
     assert form.verdict == EXACT
     namespace: dict[str, Any] = {}
     exec(form.text, namespace)  # the pasted form
@@ -217,9 +241,16 @@ def test_hf_settings_train_a_tiny_model(
     settings = {**form.chosen.settings, **form.loss.settings}
     assert printed.activation_checkpointing is True
     assert printed.activation_checkpointing_kwargs.keys() == settings["activation_checkpointing_kwargs"].keys()
-    args = transformers.TrainingArguments(**settings, output_dir=str(tmp_path), max_steps=1, use_cpu=True,
-                                          per_device_train_batch_size=2, report_to="none", save_strategy="no",
-                                          disable_tqdm=True)  # fmt: skip
+    args = transformers.TrainingArguments(
+        **settings,
+        output_dir=str(tmp_path),
+        max_steps=1,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
     ids = torch.randint(0, 300, (4, 16))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -234,8 +265,11 @@ def test_hf_option_the_installed_transformers_lacks_is_refused(monkeypatch: pyte
 
     old = dataclasses.replace(hf.hf_names(), version="4.40.0", every_n_layers=False, offload=False)
     monkeypatch.setattr(hf, "hf_names", lambda: old)
-    with pytest.raises(ExportRefused, match=r"needs activation_checkpointing_kwargs every_n_layers, which "
-                                            r"transformers 4\.40\.0 lacks \(5\.24\.0 has it\)"):  # fmt: skip
+    with pytest.raises(
+        ExportRefused,
+        match=r"needs activation_checkpointing_kwargs every_n_layers, which "
+        r"transformers 4\.40\.0 lacks \(5\.24\.0 has it\)",
+    ):
         export(compose_config([*TINY, "policy=per_block", "policy.pattern=[full,none]"]), "hf")
 
 
@@ -290,8 +324,9 @@ def test_torchtune_keys_are_its_recipes_and_its_wrapper_wraps_our_blocks() -> No
     read = recipe_keys(recipe)
     assert set(cfg) <= read, set(cfg) - read
     assert type(tt_config.instantiate(cfg.loss)).__name__ == "CEWithChunkedOutputLoss"
-    model = llama3(vocab_size=64, num_layers=6, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
-                   intermediate_dim=64)  # fmt: skip
+    model = llama3(
+        vocab_size=64, num_layers=6, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32, intermediate_dim=64
+    )
     activations.checkpoint_wrapper.__dict__.pop("_count", None)  # its counter carries over between models
     activations.apply_selective_activation_checkpointing(model, cfg.ac_mode, cfg.ac_option)
     wrapped = [i for i, layer in enumerate(model.layers) if isinstance(layer, CheckpointWrapper)]
@@ -369,8 +404,11 @@ def test_json_and_out_hold_the_answer(tmp_path: Path) -> None:
     assert main(["--to", "torchtitan", *TINY, "policy=op_sac", "--out", str(out), "--json", str(js)]) == 0
     data = json.loads(js.read_text())
     assert out.read_text().splitlines()[0] == "activation-checkpoint:selective" == data["text"].splitlines()[0]
-    assert data["target"] == "torchtitan" and data["version"] == "0.3" and [f["version"] for f in data["forms"]] == [
-        "0.3", "0.2"]  # fmt: skip
+    assert (
+        data["target"] == "torchtitan"
+        and data["version"] == "0.3"
+        and [f["version"] for f in data["forms"]] == ["0.3", "0.2"]
+    )
     assert data["names_read_from"].startswith("torchtitan 0.3.0") and data["verdict"] == APPROX
     assert {r["status"] for r in data["fidelity"]} == {APPROX, EXACT}
     ours, closest = data["figures"]["ours"], data["figures"]["closest"]
@@ -381,9 +419,27 @@ def test_json_and_out_hold_the_answer(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_megatron_first_k_as_a_user_runs_it(tmp_path: Path) -> None:
     out = tmp_path / "flags.txt"
-    r = subprocess.run([sys.executable, "-m", "trainer.export", "--to", "megatron", "policy=first_k", "policy.k=2",
-                        "model=llama-tiny", "seq_len=32", "batch_size=2", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=CLI_ENV)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--to",
+            "megatron",
+            "policy=first_k",
+            "policy.k=2",
+            "model=llama-tiny",
+            "seq_len=32",
+            "batch_size=2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "names for megatron-core 0.19.2" in r.stdout and "fidelity: exact" in r.stdout
     assert out.read_text() == "--recompute-granularity full --recompute-method block --recompute-num-layers 2\n"
@@ -391,9 +447,24 @@ def test_cli_megatron_first_k_as_a_user_runs_it(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_cli_refusal_as_a_user_sees_it(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "trainer.export", "--to", "lightning", "policy=op_sac", *TINY,
-                        "--json", str(tmp_path / "a.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=CLI_ENV)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--to",
+            "lightning",
+            "policy=op_sac",
+            *TINY,
+            "--json",
+            str(tmp_path / "a.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
+    )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: --to lightning: policy=op_sac ([0-5]:op_sac) cannot be expressed: ")
     assert "--to hf, --to megatron or --to torchtitan can" in r.stderr and not (tmp_path / "a.json").exists()

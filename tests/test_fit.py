@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.test_estimate import _cli
+from trainer.core.schema import compose_config
 from trainer.estimate import estimate_all, main, measure, open_session
 from trainer.estimate.advise import advise, where_the_peak_is, with_overrides
 from trainer.estimate.fit import FitTable, at_world, fit_table, shard_unit
-from trainer.gpus import CATALOGUE, Gpu, Reserve, load_catalogue
+from trainer.measure.gpus import CATALOGUE, Gpu, Reserve, load_catalogue
 from trainer.policies import build_policy
-from trainer.schema import compose_config
 
 SHAPE = ["model=llama-tiny", "seq_len=64", "batch_size=4"]
 POLICIES = ["none", "full"]
@@ -172,8 +172,22 @@ def test_cli_fit_and_advice_in_json(tmp_path: Path, direct: dict[int, dict[str, 
     (tmp_path / "gpus" / "small.yaml").write_text(f"name: Small\nmemory: {direct[2]['none']}\n")
     out = tmp_path / "est.json"
     budget = str(direct[4]["none"])
-    r = _cli(*SHAPE, "--policies", "configured", "--fit", "--reserve", "0", "--catalogue", str(tmp_path / "gpus"),
-             "--max-world", str(MAX_WORLD), "--budget", budget, "--json", str(out))  # fmt: skip
+    r = _cli(
+        *SHAPE,
+        "--policies",
+        "configured",
+        "--fit",
+        "--reserve",
+        "0",
+        "--catalogue",
+        str(tmp_path / "gpus"),
+        "--max-world",
+        str(MAX_WORLD),
+        "--budget",
+        budget,
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "where it fits (loss=standard)" in r.stdout and "advice for policy=none" in r.stdout
     doc = json.loads(out.read_text())
@@ -254,8 +268,9 @@ def test_a_bad_catalogue_entry_is_one_line(
 def test_a_cuda_run_logs_the_pinned_host_memory_offload_used(tmp_path: Path) -> None:
     from tests.conftest import SMALL, run_cli
 
-    r = run_cli(*SMALL, "policy=offload", "trainer.accelerator=gpu", "measure.predict=true",
-                f"hydra.run.dir={tmp_path}")  # fmt: skip
+    r = run_cli(
+        *SMALL, "policy=offload", "trainer.accelerator=gpu", "measure.predict=true", f"hydra.run.dir={tmp_path}"
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["host_pinned_peak_mib"] > 0

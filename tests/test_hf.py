@@ -16,7 +16,7 @@ import torch
 from models.adapter import adapter_for
 from models.hf import HFModelError, load_causal_lm
 from tests.conftest import SMALL, run_cli
-from trainer.run import train
+from trainer.core.run import train
 
 RUN = ["trainer.max_steps=3", "trainer.enable_checkpointing=false", "trainer.val_batches=1", "seq_len=32"]
 
@@ -25,8 +25,14 @@ RUN = ["trainer.max_steps=3", "trainer.enable_checkpointing=false", "trainer.val
 def test_a_local_folder_trains_with_its_own_tokenizer(
     compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
-    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models[family]}", "model.attention=eager",
-                      "data.tokenizer=model", "policy=op_sac", *RUN)  # fmt: skip
+    cfg = compose_cfg(
+        "model=hf",
+        f"model.name_or_path={hf_models[family]}",
+        "model.attention=eager",
+        "data.tokenizer=model",
+        "policy=op_sac",
+        *RUN,
+    )
     summary = train(cfg, tmp_path / "run")
     assert summary["status"] == "completed" and summary["plan"] == "[0-3]:op_sac"
     assert summary["data"]["tokenizer"] == "model"
@@ -186,8 +192,9 @@ def test_a_model_that_is_not_a_causal_lm(tmp_path: Path) -> None:
         load_causal_lm(str(tmp_path))
 
 
-def test_data_tokenizer_model_without_a_tokenizer(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
-                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_data_tokenizer_model_without_a_tokenizer(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path
+) -> None:
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(hf_models["llama"] / "config.json", bare / "config.json")
@@ -199,8 +206,9 @@ def test_data_tokenizer_model_without_a_tokenizer(compose_cfg: Callable[..., Any
 
 
 @pytest.mark.parametrize("family", ["falcon", "bloom"])
-def test_a_family_without_a_swappable_attention_runs_transformers_own_eager(hf_models: dict[str, Path],
-                                                                            family: str) -> None:  # fmt: skip
+def test_a_family_without_a_swappable_attention_runs_transformers_own_eager(
+    hf_models: dict[str, Path], family: str
+) -> None:
     """Falcon and Bloom compute attention inline: model.attention=eager loads transformers' own eager
     implementation (Bloom has no SDPA at all), the logits are the model's own, and only selective, which needs the
     seam, is refused in one line; every other policy installs."""
@@ -240,8 +248,9 @@ def test_selective_on_a_family_computing_attention_inline_leaves_no_folder(
 ) -> None:
     from trainer.policies import PolicyError
 
-    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager",
-                      "policy=selective", *RUN)  # fmt: skip
+    cfg = compose_cfg(
+        "model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager", "policy=selective", *RUN
+    )
     with pytest.raises(PolicyError, match="FalconForCausalLM has no swappable attention function"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -266,7 +275,7 @@ def test_a_model_without_a_layer_list_is_one_line() -> None:
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320
-        )  # fmt: skip
+        )
     )
     model._no_split_modules = ["NotItsLayer"]
     model.model.extra = torch.nn.ModuleList([torch.nn.Linear(2, 2)])  # two candidate lists, neither named
@@ -283,17 +292,21 @@ TRANSFORMS = {"cohere": "× 0.0625", "gemma2": "1·tanh(·/1)"}
 
 @pytest.mark.parametrize("head", ["standard", "chunked", "fused"])
 @pytest.mark.parametrize("family", OWN_LOSS_FAMILIES)
-def test_the_training_loss_and_its_gradients_are_the_models_own(hf_models: dict[str, Path], family: str,
-                                                                 head: str) -> None:  # fmt: skip
+def test_the_training_loss_and_its_gradients_are_the_models_own(
+    hf_models: dict[str, Path], family: str, head: str
+) -> None:
+    from trainer.core.module import DecoderModule
+    from trainer.core.schema import ConfigError
     from trainer.loss import head_loss
-    from trainer.module import DecoderModule
-    from trainer.schema import ConfigError
 
     model_cfg = {"family": "hf", "name_or_path": str(hf_models[family]), "attention": "eager", "dropout": 0.0}
     torch.manual_seed(0)
     if family == "gemma2" and head == "fused":  # a soft-cap cannot enter torch's fused op: refused at build
-        with pytest.raises(ConfigError, match=r"loss=fused cannot apply Gemma2ForCausalLM's logit transform "
-                                              r"\(1·tanh\(·/1\)\).*use loss=chunked"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=r"loss=fused cannot apply Gemma2ForCausalLM's logit transform "
+            r"\(1·tanh\(·/1\)\).*use loss=chunked",
+        ):
             DecoderModule(model_cfg, loss={"name": head})
         return
     module = DecoderModule(model_cfg, loss={"name": head, "chunk_tokens": 8})  # 3 chunks of the 2 × 12 tokens
@@ -343,19 +356,31 @@ def test_a_head_the_loss_cannot_follow_is_refused_in_one_line(hf_models: dict[st
     reason = hf_source.head_transform(model)
     assert isinstance(reason, str) and "cannot follow (logits[..., 0] = -10000.0)" in reason
     model.config.output_router_logits = False
-    reason = hf_source.head_transform(transformers.AutoModelForCausalLM.from_config(
-        transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, num_local_experts=2, vocab_size=320,
-                                   output_router_logits=True)))  # fmt: skip
+    reason = hf_source.head_transform(
+        transformers.AutoModelForCausalLM.from_config(
+            transformers.MixtralConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=2,
+                vocab_size=320,
+                output_router_logits=True,
+            )
+        )
+    )
     assert isinstance(reason, str) and "adds to its loss" in reason and "aux_loss" in reason
 
 
-def test_a_tokenizer_larger_than_the_vocabulary(compose_cfg: Callable[..., Any], hf_models: dict[str, Path],
-                                                tmp_path: Path) -> None:  # fmt: skip
-    from trainer.schema import ConfigError
+def test_a_tokenizer_larger_than_the_vocabulary(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from trainer.core.schema import ConfigError
 
-    cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models['gpt2']}", "data.tokenizer=bpe",
-                      "data.bpe_vocab_size=400", *RUN)  # fmt: skip
+    cfg = compose_cfg(
+        "model=hf", f"model.name_or_path={hf_models['gpt2']}", "data.tokenizer=bpe", "data.bpe_vocab_size=400", *RUN
+    )
     with pytest.raises(ConfigError, match="the tokenizer's 400 ids do not fit hf's vocabulary of 320"):
         train(cfg, tmp_path / "run")
 
@@ -363,8 +388,14 @@ def test_a_tokenizer_larger_than_the_vocabulary(compose_cfg: Callable[..., Any],
 @pytest.mark.slow
 def test_cli_trains_a_local_hf_model_as_the_readme_says(hf_models: dict[str, Path], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    r = run_cli(*SMALL, "model=hf", f"model.name_or_path={hf_models['qwen2']}", "policy=op_sac",
-                "data.tokenizer=model", f"hydra.run.dir={run_dir}")  # fmt: skip
+    r = run_cli(
+        *SMALL,
+        "model=hf",
+        f"model.name_or_path={hf_models['qwen2']}",
+        "policy=op_sac",
+        "data.tokenizer=model",
+        f"hydra.run.dir={run_dir}",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["model"]["model_type"] == "qwen2"

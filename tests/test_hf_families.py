@@ -91,11 +91,19 @@ def test_results_and_markdown(rows: dict[str, dict[str, Any]], tmp_path: Path) -
     refused = hff.broken_row("git", "x", 1.0) | {"status": "refused", "reason": "inputs: GitForCausalLM needs images"}
     broken = hff.broken_row("bart", "timed out after 180 s", 180.0)
     meta = {
-        "env": {"date": "2026-12-01", "transformers": "5.x", "torch": "2.x", "cpu": "AMD EPYC", "policies": POLICIES,
-                "estimate_policies": ["none", "full"], "timeout_s": 180, "jobs": 1},
+        "env": {
+            "date": "2026-12-01",
+            "transformers": "5.x",
+            "torch": "2.x",
+            "cpu": "AMD EPYC",
+            "policies": POLICIES,
+            "estimate_policies": ["none", "full"],
+            "timeout_s": 180,
+            "jobs": 1,
+        },
         "command": "python -m bench.hf_families --families llama,gpt2,git,bart",
         "families": ["llama", "gpt2", "git", "bart"],
-    }  # fmt: skip
+    }
     hff.write_results(tmp_path, [rows["llama"], rows["gpt2"], refused, broken], meta)
     md = (tmp_path / "summary.md").read_text()
     lines = md.splitlines()
@@ -139,14 +147,37 @@ def test_write_readme_replaces_the_block(rows: dict[str, dict[str, Any]], tmp_pa
 
 @pytest.mark.slow
 def test_cli_sweeps_in_subprocesses_and_a_bad_family_is_one_line(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "bench.hf_families", "--families", "gpt2,git", "--policies", "full",
-                        "--estimate-policies", "none", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=CLI_ENV)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.hf_families",
+            "--families",
+            "gpt2,git",
+            "--policies",
+            "full",
+            "--estimate-policies",
+            "none",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {json.loads(ln)["model_type"]: json.loads(ln) for ln in (tmp_path / "rows.jsonl").read_text().splitlines()}
     assert rows["gpt2"]["status"] == "passed" and rows["git"]["status"] == "refused"
     assert "[1/2] gpt2: passed" in r.stdout and (tmp_path / "logs" / "gpt2.log").is_file()
-    bad = subprocess.run([sys.executable, "-m", "bench.hf_families", "--families", "surely_not_a_family"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, env=CLI_ENV)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.hf_families", "--families", "surely_not_a_family"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=CLI_ENV,
+    )
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and "not in transformers' causal-LM registry" in lines[0]

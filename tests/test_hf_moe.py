@@ -1,6 +1,6 @@
 """Mixture-of-Experts models in the estimator: transformers runs their experts as grouped matmuls
 (`aten._grouped_mm`), whose fake kernel refuses fp32; within the estimate the CPU kernel's own output is made
-(trainer/fake_kernels.py), so an MoE model's fp32 estimate equals its run as a dense model's does
+(trainer/measure/fake_kernels.py), so an MoE model's fp32 estimate equals its run as a dense model's does
 (tests/test_estimate.py). Tiny random-weight configs saved to a temp folder, no network."""
 
 from __future__ import annotations
@@ -13,27 +13,39 @@ import pytest
 import torch
 
 from tests.test_estimate import RUN, _with_policy, assert_estimate_equals_run
+from trainer.core.run import train
+from trainer.core.schema import ConfigError, validate
 from trainer.estimate import measure, open_session
-from trainer.fake_kernels import cpu_kernel_rules
+from trainer.measure.fake_kernels import cpu_kernel_rules
 from trainer.policies import build_policy
-from trainer.run import train
-from trainer.schema import ConfigError, validate
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 128, "vocab_size": 320, "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
+COMMON = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "vocab_size": 320,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 FAMILIES: dict[str, Callable[[], Any]] = {
     "mixtral": lambda: transformers.MixtralConfig(
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **COMMON
     ),
     # a shared expert beside the routed ones
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-        num_experts_per_tok=2, **COMMON,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **COMMON,
     ),
     "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **COMMON),
-}  # fmt: skip
+}
 
 
 def _folder(family: str, tmp_path: Path) -> Path:
@@ -47,8 +59,14 @@ def _folder(family: str, tmp_path: Path) -> Path:
 def test_moe_fp32_estimate_equals_a_training_run(
     compose_cfg: Callable[..., Any], tmp_path: Path, family: str, policy: str
 ) -> None:
-    overrides = ["model=hf", f"model.name_or_path={_folder(family, tmp_path)}", "seq_len=32", "batch_size=2",
-                 "precision=32-true", *RUN]  # fmt: skip
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={_folder(family, tmp_path)}",
+        "seq_len=32",
+        "batch_size=2",
+        "precision=32-true",
+        *RUN,
+    ]
     cfg = _with_policy(compose_cfg(*overrides), policy)
     session = open_session(validate(cfg))
     assert session.module.model.config._experts_implementation == "grouped_mm"  # what the run executes, too
@@ -87,8 +105,13 @@ def test_a_model_that_routes_with_data_dependent_shapes_is_one_line(
     compose_cfg: Callable[..., Any], tmp_path: Path
 ) -> None:
     """The experts' eager path loops over the experts a batch hit (`nonzero`): no fake tensor can say which."""
-    overrides = ["model=hf", f"model.name_or_path={_folder('mixtral', tmp_path)}", "seq_len=32", "batch_size=2",
-                 "precision=32-true"]  # fmt: skip
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={_folder('mixtral', tmp_path)}",
+        "seq_len=32",
+        "batch_size=2",
+        "precision=32-true",
+    ]
     config = validate(compose_cfg(*overrides))
     session = open_session(config)
     session.module.model.set_experts_implementation("eager")

@@ -71,8 +71,9 @@ def test_check_policy_compares_on_the_users_model_and_can_fail(monkeypatch: pyte
     from torch.utils import checkpoint as ckpt
 
     real = ckpt.checkpoint
-    monkeypatch.setattr("trainer.policies.base.checkpoint",
-                        lambda fn, *a, **kw: real(fn, *a, **{**kw, "preserve_rng_state": False}))  # fmt: skip
+    monkeypatch.setattr(
+        "trainer.policies.base.checkpoint", lambda fn, *a, **kw: real(fn, *a, **{**kw, "preserve_rng_state": False})
+    )
     broken = check_policy(model, "full", batches(), loss_fn)
     assert not broken.equal and broken.first_failure and "at step 0" in broken.first_failure
 
@@ -113,8 +114,14 @@ class LitGPT(L.LightningModule):
 def lightning_run(policy: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     L.seed_everything(0, verbose=False)
     module = LitGPT(policy)
-    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     idx, tgt = (torch.cat(t) for t in zip(*batches(), strict=True))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx, tgt), batch_size=B)  # the same batches
     trainer.fit(module, train_dataloaders=loader)
@@ -136,10 +143,19 @@ def hf_run(folder: Path, policy: str, out: Path) -> tuple[list[float], dict[str,
     apply_policy(model, policy)
     data = [{"input_ids": row, "labels": row} for idx, _ in batches(STEPS) for row in idx]  # B rows a step
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=B, learning_rate=1e-2, logging_steps=1,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, save_strategy="no", dataloader_num_workers=0,
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=B,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        save_strategy="no",
+        dataloader_num_workers=0,
         disable_tqdm=True,
-    )  # fmt: skip
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     assert model.activation_plan.describe() == f"[0-{model.config.num_hidden_layers - 1}]:{policy}"  # still installed

@@ -13,9 +13,9 @@ import torch
 from models import FAMILIES, build_model
 from models.adapter import adapter_for
 from tests.conftest import NATIVE_FAMILIES
+from trainer.core.schema import compose_config
 from trainer.loss import LossConfig, head_loss
-from trainer.memory import LiveTensorTracker
-from trainer.schema import compose_config
+from trainer.measure.memory import LiveTensorTracker
 
 V, T, B = 1000, 24, 3
 # fp32: the heads sum the same per-token losses in another order: ≤ 1e-6 relative. bf16 autocast: the head weight's
@@ -41,8 +41,13 @@ def model(family: str, tied: bool) -> Any:
 
 @functools.cache
 def _model(family: str, tied: bool) -> Any:
-    shrink = ["model.n_layer=1", "model.dropout=0.0", f"model.vocab_size={V}", f"model.block_size={T}",
-              f"model.tie_embeddings={tied}"]  # fmt: skip
+    shrink = [
+        "model.n_layer=1",
+        "model.dropout=0.0",
+        f"model.vocab_size={V}",
+        f"model.block_size={T}",
+        f"model.tie_embeddings={tied}",
+    ]
     config = compose_config([*FAMILIES[family].tiny_overrides, *shrink, f"seq_len={T}"])
     torch.manual_seed(0)
     return build_model(config.model)
@@ -73,8 +78,9 @@ def loss_and_grads(m: Any, cfg: LossConfig, precision: str, ignored: bool) -> tu
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
 @pytest.mark.parametrize("name, chunk", [("chunked", 16), ("chunked", 50), ("fused", 16)])
-def test_chunked_and_fused_equal_standard(family: str, tied: bool, precision: str, ignored: bool, name: str,
-                                          chunk: int) -> None:  # fmt: skip
+def test_chunked_and_fused_equal_standard(
+    family: str, tied: bool, precision: str, ignored: bool, name: str, chunk: int
+) -> None:
     m = model(family, tied)
     want_loss, want = loss_and_grads(m, LossConfig("standard"), precision, ignored)
     got_loss, got = loss_and_grads(m, LossConfig(name, chunk_tokens=chunk), precision, ignored)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from trainer.memory import (
+from trainer.measure.memory import (
     MIB,
     LiveTensorTracker,
     TimelinePoint,

@@ -16,9 +16,9 @@ from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from tests.conftest import CONF, NATIVE_FAMILIES
-from trainer.memory import LiveTensorTracker
+from trainer.core.schema import validate
+from trainer.measure.memory import LiveTensorTracker
 from trainer.policies import apply_policy
-from trainer.schema import validate
 
 
 def hf_twin(ours: Llama) -> Any:
@@ -27,11 +27,19 @@ def hf_twin(ours: Llama) -> Any:
 
     c = ours.config
     hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, max_position_embeddings=c.block_size,
-        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings,
-        attention_bias=False, mlp_bias=False,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = transformers.LlamaForCausalLM._from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"} if c.tie_embeddings else not missing, missing
@@ -42,8 +50,18 @@ def hf_twin(ours: Llama) -> Any:
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_llama_logits_equal_the_hf_reference(attention: str, tie: bool) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, block_size=64, n_layer=3, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=160,
-                         rope_theta=500000.0, tie_embeddings=tie, attention=attention)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=97,
+        block_size=64,
+        n_layer=3,
+        n_head=8,
+        n_kv_head=2,
+        n_embd=64,
+        mlp_hidden=160,
+        rope_theta=500000.0,
+        tie_embeddings=tie,
+        attention=attention,
+    )
     ours = Llama(config).eval()
     hf = hf_twin(ours)
     idx = torch.randint(0, 97, (2, 40))
@@ -66,8 +84,9 @@ def test_gqa_repeat_is_inside_the_seam_so_selective_drops_it() -> None:
     """With n_kv_head < n_head the eager core repeats k and v per query head; under `selective` those repeated
     copies are recomputed, not kept: the bytes kept after the forward drop by the T×T tensors AND the repeats."""
     torch.manual_seed(0)
-    c = LlamaConfig(vocab_size=64, block_size=32, n_layer=1, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=128,
-                    attention="eager")  # fmt: skip
+    c = LlamaConfig(
+        vocab_size=64, block_size=32, n_layer=1, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=128, attention="eager"
+    )
     base = Llama(c)
 
     def kept(policy: str) -> int:
@@ -102,8 +121,14 @@ def test_presets_have_the_published_shapes(
     """Shapes from each model's config.json; parameter counts as the model cards publish them, counted on a
     meta-device model (nothing allocated)."""
     m = validate(compose_cfg(f"model={preset}", small=False)).model
-    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.mlp_hidden, m.vocab_size) == (layers, d, heads, kv, hidden,
-                                                                                         vocab)  # fmt: skip
+    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.mlp_hidden, m.vocab_size) == (
+        layers,
+        d,
+        heads,
+        kv,
+        hidden,
+        vocab,
+    )
     with torch.device("meta"):
         model = build_model(m)
     assert adapter_for(model).num_parameters() == params
@@ -125,7 +150,7 @@ def test_every_model_yaml_builds_through_the_contract(compose_cfg: Any, hf_model
 def test_every_native_family_has_a_test_size_that_trains(compose_cfg: Any, family: str) -> None:
     """What the family-wide tests iterate: the registry's test size of each native family is a conf/model preset of
     that family, shrunk, and it builds and takes a backward through the contract."""
-    from trainer import build
+    from trainer.core import build
 
     spec = FAMILIES[family]
     assert OmegaConf.load(CONF / "model" / f"{spec.preset}.yaml").family == family
@@ -155,8 +180,8 @@ def test_a_new_native_family_is_one_module_that_registers(compose_cfg: Any) -> N
     from models.adapter import FAMILIES
     from models.gpt import GPT, GPTConfig
     from models.native import register_native
-    from trainer import build
-    from trainer.schema import validate
+    from trainer.core import build
+    from trainer.core.schema import validate
 
     class Toy(GPT):
         pass

@@ -4,7 +4,7 @@
   to the byte, for uniform and mixed plans, with and without accumulation.
 * The solver is exact: the same optimum as brute force over every plan of a 4-block model, on profiled numbers
   and on random synthetic ones (offload prefetch and accumulation included), at every budget that matters.
-* Real runs (`trainer.run.train`) stay within the budget at several budgets, with the summary's `auto` record;
+* Real runs (`trainer.core.run.train`) stay within the budget at several budgets, with the summary's `auto` record;
   a run whose prediction is made too low re-plans once and then fits.
 * Refusal is one line naming a budget that fits and a micro-batch that fits; `plan_for_config` (the estimator's
   hook) and training arrive at the same plan and the same predicted bytes.
@@ -26,14 +26,14 @@ import torch
 
 from trainer import planner
 from trainer import precision as precision_
-from trainer import step as step_
+from trainer.core import step as step_
+from trainer.core.module import DecoderModule, param_groups
+from trainer.core.run import train
+from trainer.core.schema import validate
 from trainer.estimate import plan_for_config, plan_result_for_config
-from trainer.module import DecoderModule, param_groups
+from trainer.formatting import MIB
 from trainer.planner import BOOKKEEPING, Cost, PeakModel, Profile, profiler
 from trainer.policies import POLICIES, PolicyError, apply_policy, build_policy
-from trainer.run import train
-from trainer.schema import validate
-from trainer.text import MIB
 
 # ----------------------------------------------------------------------------------------------------
 # A 4-block model, profiled once.
@@ -91,9 +91,16 @@ def test_real_times_come_from_rounds_and_the_whole_stack() -> None:
     says by how much, and every treatment has a time."""
     model = copy.deepcopy(base_model())
     idx, tgt = batches()
-    prof = planner.profile(model, (idx[0], tgt[0]), loss_fn=loss_fn(model), precision="32-true",
-                           make_optimizer=planner.default_optimizer(), repeats=2, warmup=1,
-                           policy=build_policy({"name": "auto", "budget_mib": 1000.0}))  # fmt: skip
+    prof = planner.profile(
+        model,
+        (idx[0], tgt[0]),
+        loss_fn=loss_fn(model),
+        precision="32-true",
+        make_optimizer=planner.default_optimizer(),
+        repeats=2,
+        warmup=1,
+        policy=build_policy({"name": "auto", "budget_mib": 1000.0}),
+    )
     note = next(n for n in prof.notes if n.startswith("block times scaled to the whole stack's"))
     assert all(f"{t} ×" in note for t in prof.treatments)
     assert all(c.ms > 0 for costs in prof.costs for c in costs.values())
@@ -102,12 +109,18 @@ def test_real_times_come_from_rounds_and_the_whole_stack() -> None:
 def test_fake_profiles_are_timed_by_the_step_time_model() -> None:
     """On fake tensors a profile's times are the roofline's for the speed given: recompute costs its replayed ops,
     SAC its decisions; the same profile twice gives the same times."""
+    from trainer.core.schema import compose_config
     from trainer.estimate import plan_result_for_config
-    from trainer.schema import compose_config
-    from trainer.steptime import Speed
+    from trainer.measure.steptime import Speed
 
-    speed = Speed(name="flat", matmul={"fp32": ((1.0, 1e10),)}, bandwidth={"memory": ((1.0, 1e9),)}, op_s=1e-6,
-                  free_s=0.0, sac_s=1e-5)  # fmt: skip
+    speed = Speed(
+        name="flat",
+        matmul={"fp32": ((1.0, 1e10),)},
+        bandwidth={"memory": ((1.0, 1e9),)},
+        op_s=1e-6,
+        free_s=0.0,
+        sac_s=1e-5,
+    )
     config = compose_config(["model=micro", "seq_len=32", "precision=32-true", "policy=auto", "policy.budget_mib=1000"])
     first, second = (plan_result_for_config(config, "cpu", fake=True, speed=speed).profile for _ in range(2))
     assert "step times predicted for flat" in first.notes
@@ -117,8 +130,8 @@ def test_fake_profiles_are_timed_by_the_step_time_model() -> None:
 
 
 def bare_step_peak(treatments: list[str], accum: int) -> int:
-    """A training step as Lightning runs it (trainer.step.bare_step), measured from the third step with the training
-    state adopted (trainer.step.StepMeter): the figure MeasureCallback reports as peak_total."""
+    """A training step as Lightning runs it (trainer.core.step.bare_step), measured from the third step with the
+    training state adopted (trainer.core.step.StepMeter): the figure MeasureCallback reports as peak_total."""
     module = copy.deepcopy(base_module())
     apply_policy(module.model, {"name": "per_block", "blocks": treatments})
     module.train()
@@ -281,7 +294,7 @@ def test_solver_takes_the_transient_where_it_happens() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Real runs through trainer.run.train.
+# Real runs through trainer.core.run.train.
 # ----------------------------------------------------------------------------------------------------
 
 RUN = ["model.n_layer=3", "precision=32-true", "trainer.max_steps=6", "trainer.enable_checkpointing=false"]

@@ -36,8 +36,8 @@ from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
 from tests.conftest import NATIVE_FAMILIES
 from trainer import policies
-from trainer.flops import count_flops
-from trainer.memory import LiveTensorTracker
+from trainer.measure.flops import count_flops
+from trainer.measure.memory import LiveTensorTracker
 from trainer.policies import (
     DEFAULT_SAC_SAVE_OPS,
     POLICIES,
@@ -205,10 +205,16 @@ def family_model(family: str, hf_models: dict[str, Any]) -> Any:
         if family in NATIVE_FAMILIES:
             from models import FAMILIES as REGISTRY
             from models import build_model
-            from trainer.schema import compose_config
+            from trainer.core.schema import compose_config
 
-            shape = [f"model.vocab_size={V}", f"model.block_size={T}", f"model.n_layer={L}", "model.dropout=0.1",
-                     "model.attention=eager", f"seq_len={T}"]  # fmt: skip
+            shape = [
+                f"model.vocab_size={V}",
+                f"model.block_size={T}",
+                f"model.n_layer={L}",
+                "model.dropout=0.1",
+                "model.attention=eager",
+                f"seq_len={T}",
+            ]
             _family_models[family] = build_model(compose_config([*REGISTRY[family].tiny_overrides, *shape]).model)
         else:
             from models.hf import load_causal_lm
@@ -698,7 +704,7 @@ def test_offload_on_cuda_empties_the_device_and_overlaps_copies(tmp_path: Any) -
         (
             {"name": "per_block", "pattern": ["full"], "params": {"offload": {"min_bytes": -1}}},
             ["policy.params.offload.min_bytes=-1"],
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(cfg: Any, words: list[str]) -> None:
@@ -764,7 +770,7 @@ def test_per_block_blocks_override_the_default_pattern() -> None:
 
 
 def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:
-    from trainer.schema import compose_config
+    from trainer.core.schema import compose_config
 
     params = ["policy.params.op_sac.save_ops=[aten.addmm]", "policy.params.offload.prefetch=false"]
     config = compose_config(["policy=per_block", "policy.pattern=[op_sac,offload]", *params])
@@ -777,7 +783,7 @@ def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:
     assert set(auto["params"]) == with_params and {"op_sac", "offload"} <= with_params
     assert list(auto["params"]["op_sac"]["save_ops"]) == list(DEFAULT_SAC_SAVE_OPS)
     # the old spelling on the command line is one line naming the new one
-    from trainer.schema import describe_user_error
+    from trainer.core.schema import describe_user_error
 
     with pytest.raises(Exception) as e:
         compose_config(["policy=auto", "policy.budget_mib=100", "policy.save_ops=[aten.mm]"])

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tests.conftest import SMALL, run_cli
-from trainer import precision, step
-from trainer.module import DecoderModule
-from trainer.run import preflight, train
-from trainer.schema import validate
+from trainer import precision
+from trainer.core import step
+from trainer.core.module import DecoderModule
+from trainer.core.run import preflight, train
+from trainer.core.schema import validate
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16-cpu", "emulated-bf16-cpu"])
@@ -48,18 +49,20 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_slowdown(cpu_kind: bool) 
     assert precision.emulation_warning("32-true", "cpu") is None
 
 
-def test_preflight_settles_auto_and_logs_it(cpu_kind: bool, compose_cfg: Callable[..., Any], tmp_path: Path,
-                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_preflight_settles_auto_and_logs_it(
+    cpu_kind: bool, compose_cfg: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = validate(compose_cfg("precision=auto"))
-    with caplog.at_level(logging.INFO, logger="trainer.run"):
+    with caplog.at_level(logging.INFO, logger="trainer.core.run"):
         preflight(config, tmp_path / "run")
     assert config.precision == ("bf16-mixed" if cpu_kind else "32-true")
-    said = [r.getMessage() for r in caplog.records if r.name == "trainer.run"]
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer.core.run"]
     assert any(m.startswith(f"precision=auto → {config.precision}") for m in said), said
 
 
-def test_a_run_records_the_precision_it_used(monkeypatch: pytest.MonkeyPatch, compose_cfg: Callable[..., Any],
-                                             tmp_path: Path) -> None:  # fmt: skip
+def test_a_run_records_the_precision_it_used(
+    monkeypatch: pytest.MonkeyPatch, compose_cfg: Callable[..., Any], tmp_path: Path
+) -> None:
     monkeypatch.setattr(precision, "cpu_bf16_native", lambda: (False, "no native bf16"))
     cfg = compose_cfg("precision=auto", "trainer.max_steps=2", "trainer.enable_checkpointing=false")
     summary = train(cfg, tmp_path / "run")
@@ -90,8 +93,14 @@ def _fp16_step(init_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor
     batch = (torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
     before = [p.detach().clone() for p in module.parameters()]
     seen: list[torch.Tensor] = []
-    step.bare_step(module, [batch], opt, sched, plugin,
-                   before_update=lambda: seen.extend(p.grad.clone() for p in module.parameters()))  # fmt: skip
+    step.bare_step(
+        module,
+        [batch],
+        opt,
+        sched,
+        plugin,
+        before_update=lambda: seen.extend(p.grad.clone() for p in module.parameters()),
+    )
     return before, [p.detach() for p in module.parameters()], seen, plugin.scaler.get_scale()
 
 

@@ -12,12 +12,18 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.test_estimate import ESTIMATE_SLACK_BYTES, ESTIMATE_TOLERANCE
-from trainer import metrics as M
-from trainer.run import train
-from trainer.text import MIB
+from trainer.core.run import train
+from trainer.formatting import MIB
+from trainer.measure import metrics as M
 
-RUN = ["trainer.max_steps=3", "trainer.enable_checkpointing=false", "measure.warmup_steps=1",
-       "measure.activation_every_n_steps=1", "trainer.val_batches=1", "measure.predict=true"]  # fmt: skip
+RUN = [
+    "trainer.max_steps=3",
+    "trainer.enable_checkpointing=false",
+    "measure.warmup_steps=1",
+    "measure.activation_every_n_steps=1",
+    "trainer.val_batches=1",
+    "measure.predict=true",
+]
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "op_sac"])

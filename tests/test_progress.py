@@ -15,7 +15,7 @@ import pytest
 from callbacks.progress import StepProgressBar
 from callbacks.sweep_progress import SweepProgress
 from tests.conftest import SMALL, run_cli
-from trainer.run import train
+from trainer.core.run import train
 
 ACCUM, STEPS = 4, 3
 BAR_ON = ["trainer.enable_progress_bar=true", "trainer.enable_checkpointing=false"]

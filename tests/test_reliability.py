@@ -16,10 +16,16 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.conftest import CLI_ENV, ROOT, SMALL, run_cli
-from trainer.run import RunFailed, train
+from trainer.core.run import RunFailed, train
 
-RESUME = [*SMALL, "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=1", "trainer.val_every_n_steps=15",
-          "measure.activation_every_n_steps=0", "model.dropout=0.1"]  # fmt: skip
+RESUME = [
+    *SMALL,
+    "trainer.max_steps=60",
+    "trainer.checkpoint_every_n_steps=1",
+    "trainer.val_every_n_steps=15",
+    "measure.activation_every_n_steps=0",
+    "model.dropout=0.1",
+]
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
@@ -39,8 +45,13 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def kill_after_step(run_dir: Path, step: int, *args: str) -> None:
     """Start a run, SIGKILL it from outside once its checkpoint of `step` (or a later one) exists."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                            env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=CLI_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -66,8 +77,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_policy", ["none", "full"])
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path: Path, resume_policy: str,
-                                                         uninterrupted: Path) -> None:  # fmt: skip
+def test_sigkill_then_resume_equals_an_uninterrupted_run(
+    tmp_path: Path, resume_policy: str, uninterrupted: Path
+) -> None:
     reference = uninterrupted
     killed = tmp_path / "killed"
     kill_after_step(killed, 5, *RESUME, "policy=none")
@@ -94,8 +106,11 @@ def test_truncated_and_foreign_checkpoints_are_one_line(tmp_path: Path, compose_
     truncated.write_bytes((good / "checkpoints" / "last.ckpt").read_bytes()[:1000])
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.zeros(3)}, foreign)
-    for path, fragment in [(truncated, "is not a readable checkpoint"), (foreign, "is not a Lightning training"),
-                           (tmp_path / "missing.ckpt", "no checkpoint at")]:  # fmt: skip
+    for path, fragment in [
+        (truncated, "is not a readable checkpoint"),
+        (foreign, "is not a Lightning training"),
+        (tmp_path / "missing.ckpt", "no checkpoint at"),
+    ]:
         r = run_cli(*SMALL, f"ckpt_path={path}", f"hydra.run.dir={tmp_path / 'run'}")
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr[-2000:]
@@ -149,7 +164,7 @@ def test_nonfinite_skip_leaves_the_weights_untouched(tmp_path: Path, compose_cfg
 
 
 def test_out_of_host_memory_is_status_oom(tmp_path: Path, compose_cfg) -> None:
-    from trainer.run import _data_segment_bytes
+    from trainer.core.run import _data_segment_bytes
 
     # 128 MiB over what the process holds now; the first forward of this shape needs several times that.
     limit = _data_segment_bytes() // 2**20 + 128
@@ -165,8 +180,14 @@ def test_out_of_host_memory_is_status_oom(tmp_path: Path, compose_cfg) -> None:
 
 @pytest.mark.slow
 def test_cli_oom_single_run_is_one_line_exit_1(tmp_path: Path) -> None:
-    r = run_cli(*SMALL, "trainer.host_memory_limit_mib=1200", "model=tiny", "seq_len=256", "batch_size=64",
-                f"hydra.run.dir={tmp_path}")  # fmt: skip
+    r = run_cli(
+        *SMALL,
+        "trainer.host_memory_limit_mib=1200",
+        "model=tiny",
+        "seq_len=256",
+        "batch_size=64",
+        f"hydra.run.dir={tmp_path}",
+    )
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 1 and len(lines) == 1 and "oom at step 0" in lines[0], r.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "oom"
@@ -189,8 +210,15 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
     runs = {}
     for p in ("none", policy):
         run_dir = tmp_path / f"{strategy}-{p}"
-        r = run_cli(*SMALL, f"trainer={strategy}", f"policy={p}", "trainer.max_steps=4", "model.n_layer=4",
-                    f"hydra.run.dir={run_dir}", timeout=300)  # fmt: skip
+        r = run_cli(
+            *SMALL,
+            f"trainer={strategy}",
+            f"policy={p}",
+            "trainer.max_steps=4",
+            "model.n_layer=4",
+            f"hydra.run.dir={run_dir}",
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[p] = json.loads((run_dir / "summary.json").read_text())
     assert runs[policy]["plan"] == ("[0-3]:full" if policy == "full" else "[0-1]:full-group [2-3]:full-group")
@@ -205,9 +233,9 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
     if strategy != "fsdp2":
         return
     # The estimator's one rank of FSDP2 (a fake process group): sharded state, all-gather buffers, activations.
+    from trainer.core.schema import compose_config
     from trainer.estimate import measure, open_session
     from trainer.policies import build_policy
-    from trainer.schema import compose_config
 
     for p, summary in runs.items():
         config = compose_config([*SMALL, f"trainer={strategy}", f"policy={p}", "model.n_layer=4"])
@@ -216,8 +244,10 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
             est = measure(session, build_policy(config.policy))
         finally:
             session.close()
-        for estimated, run in ((est.activation_bytes, summary["per_rank"][0]["activation_peak_mib"]),
-                               (est.peak_bytes, summary["peak_total_mib"])):  # fmt: skip
+        for estimated, run in (
+            (est.activation_bytes, summary["per_rank"][0]["activation_peak_mib"]),
+            (est.peak_bytes, summary["peak_total_mib"]),
+        ):
             assert abs(estimated / (run * 2**20) - 1) <= 0.005, (p, estimated, run * 2**20)
 
 
@@ -225,8 +255,14 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
 def test_a_run_shorter_than_the_tracked_step_reports_null_not_zero(tmp_path: Path) -> None:
     """Per-rank activation peaks that were never measured are null in summary.json, never 0.0."""
     run_dir = tmp_path / "short"
-    r = run_cli(*SMALL, "trainer=ddp", "trainer.max_steps=2", "measure.activation_every_n_steps=0",
-                f"hydra.run.dir={run_dir}", timeout=300)  # fmt: skip
+    r = run_cli(
+        *SMALL,
+        "trainer=ddp",
+        "trainer.max_steps=2",
+        "measure.activation_every_n_steps=0",
+        f"hydra.run.dir={run_dir}",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["activation_peak_mib"] is None

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from trainer.plots import pareto_front, point_positions
 from trainer.report import build_report, main, read_jobs
+from trainer.report.plots import pareto_front, point_positions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -48,8 +48,14 @@ def make_job(
     (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"job": {"num": num}}}))
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"micro={batch_size}x{accum}", f"policy={policy}"]))
     if summary is not None:
-        full = {"policy": policy, "accum": accum, "batch_size": batch_size, "precision": precision, "seq_len": 32,
-                "loss": {"name": "standard", "chunk_tokens": 1024}}  # fmt: skip
+        full = {
+            "policy": policy,
+            "accum": accum,
+            "batch_size": batch_size,
+            "precision": precision,
+            "seq_len": 32,
+            "loss": {"name": "standard", "chunk_tokens": 1024},
+        }
         full.update({"model": {"name": "micro"}, "device": "cpu", **summary})
         (job / "summary.json").write_text(json.dumps(full))
     series = dict(scalars or {})
@@ -101,10 +107,16 @@ def sweep(tmp_path: Path) -> Path:
         "offload",
         8,
         1,
-        {"status": "oom", "error": "RuntimeError: can't allocate memory\nsecond line", "steps": 2,
-         "activation_peak_mib": 9.5, "median_step_ms": None, "tokens_per_s": None},
+        {
+            "status": "oom",
+            "error": "RuntimeError: can't allocate memory\nsecond line",
+            "steps": 2,
+            "activation_peak_mib": 9.5,
+            "median_step_ms": None,
+            "tokens_per_s": None,
+        },
         curve=[5.0, 4.7],
-    )  # fmt: skip
+    )
     make_job(root, 7, "op_sac", 8, 1, {"status": "error", "error": "ValueError: boom"})
     make_job(
         root,
@@ -266,8 +278,9 @@ def test_a_folder_without_jobs_is_one_line(tmp_path: Path, capsys: pytest.Captur
         (["--out", "FILE"], "File exists"),  # a file where the report's folder goes
     ],
 )
-def test_bad_report_arguments_are_one_line(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                           extra: list[str], fragment: str) -> None:  # fmt: skip
+def test_bad_report_arguments_are_one_line(
+    sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], fragment: str
+) -> None:
     (tmp_path / "FILE").write_text("mine")
     extra = [str(tmp_path / "FILE") if a == "FILE" else a for a in extra]
     try:

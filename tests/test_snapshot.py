@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from callbacks.measure import MeasureCallback
 from callbacks.snapshot import MemorySnapshot
-from trainer.module import DecoderModule
+from trainer.core.module import DecoderModule
 
 MICRO = dict(family="gpt", block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attention="eager")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainer import steptime
 from trainer.errors import ConfigError
-from trainer.gpus import Gpu, load_catalogue
-from trainer.steptime import OpTrace, Speed, Work
+from trainer.measure import steptime
+from trainer.measure.gpus import Gpu, load_catalogue
+from trainer.measure.steptime import OpTrace, Speed, Work
 
 
 def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
@@ -50,8 +50,16 @@ def test_fake_tensors_give_the_same_work_as_real_ones() -> None:
 
 
 def _speed(overlapped: bool) -> Speed:
-    return Speed(name="test", matmul={"fp32": ((1.0, 1e9),)}, bandwidth={"memory": ((1.0, 1e9),)}, op_s=1e-6,
-                 free_s=0.0, sac_s=1e-5, host_link=1e9, overlapped=overlapped)  # fmt: skip
+    return Speed(
+        name="test",
+        matmul={"fp32": ((1.0, 1e9),)},
+        bandwidth={"memory": ((1.0, 1e9),)},
+        op_s=1e-6,
+        free_s=0.0,
+        sac_s=1e-5,
+        host_link=1e9,
+        overlapped=overlapped,
+    )
 
 
 def test_the_roofline_arithmetic() -> None:

@@ -56,7 +56,7 @@ def test_policy_sweep_preset_sweeps_policies_and_splits_at_a_fixed_batch() -> No
 @pytest.mark.parametrize("preset", ["policy_sweep", "policy_sweep_gpu"])
 @pytest.mark.parametrize("micro", ["8x1", "2x4"])
 def test_presets_pass_the_schema(compose_cfg, preset: str, micro: str) -> None:
-    from trainer.schema import validate
+    from trainer.core.schema import validate
 
     config = validate(compose_cfg(EXPERIMENT.replace("policy_sweep", preset), f"micro={micro}", small=False))
     assert config.batch_size * config.accum == 8 and config.seq_len <= config.model.block_size
@@ -155,7 +155,7 @@ def test_progress_line_says_job_i_of_n() -> None:
 
 
 def test_progress_callback_logs_steps_in_a_run(tmp_path: Path, compose_cfg, caplog: pytest.LogCaptureFixture) -> None:
-    from trainer.run import train
+    from trainer.core.run import train
 
     cfg = compose_cfg("trainer.max_steps=4", "accum=2", "trainer.enable_checkpointing=false")
     with caplog.at_level("INFO", logger="callbacks.sweep_progress"):
@@ -209,8 +209,10 @@ def test_sweep_jobs_land_with_their_hparams(completed_sweep: tuple[Path, str]) -
         assert summary["batch_size"] * summary["accum"] == 8
         hp = session_hparams(job)  # the sweep is one table in TensorBoard's HParams tab
         assert (hp["policy"], hp["batch_size"], hp["accum"]) == (
-            summary["policy"], summary["batch_size"], summary["accum"]
-        )  # fmt: skip
+            summary["policy"],
+            summary["batch_size"],
+            summary["accum"],
+        )
         assert hp["precision"] == summary["precision"] and hp["model"] == summary["model"]["name"]
         seen.add((hp["policy"], hp["batch_size"]))
     assert seen == {("none", 8), ("none", 2), ("full", 8), ("full", 2)}
@@ -337,8 +339,7 @@ def test_sweep_with_an_oom_job_goes_on_and_reports_it(tmp_path: Path) -> None:
 def test_a_refused_cell_records_error_and_the_sweep_goes_on(tmp_path: Path) -> None:
     """The micro model has 2 blocks, so the policy.k=3 cell is refused; the cells after it still run."""
     sweep = tmp_path / "sweep"
-    r = run_cli("-m", *SMALL, "policy=every_k", "policy.k=1,3,2", "trainer.max_steps=2",
-                f"hydra.sweep.dir={sweep}")  # fmt: skip
+    r = run_cli("-m", *SMALL, "policy=every_k", "policy.k=1,3,2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 0, r.stderr[-3000:]
     statuses = {p.parent.name.split("_")[0]: json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")}
     assert statuses == {"0": "completed", "1": "error", "2": "completed"}

@@ -17,10 +17,10 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from callbacks.tb_logger import SHOWN_HPARAMS, JobTensorBoardLogger, hparams_summaries, tb_layout, write_tb_layout
-from trainer import metrics as M
-from trainer.run import HPARAM_METRICS_FIRST
+from trainer.core.run import HPARAM_METRICS_FIRST
+from trainer.measure import metrics as M
 
-# Every per-step tag trainer/metrics.py defines (its str constants with a "/": summary keys have none; the tags
+# Every per-step tag trainer/measure/metrics.py defines (its str constants with a "/": summary keys have none; the tags
 # policy=auto logs once, when it plans, are named in PLAN_TAGS).
 STEP_TAGS = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str) and "/" in v} - set(M.PLAN_TAGS)
 TICKED = 5  # TensorBoard's HParams table ticks its first five hparams and its first five metrics
@@ -65,8 +65,11 @@ def test_cpu_layout_has_no_cuda_charts_and_a_peak_total_chart() -> None:
     assert len(memory) == 2 and not any("CUDA" in title for title in memory)
     # each measured peak on one chart with the run's own prediction of it
     assert [r for _, tags in memory.values() for r in tags] == [
-        f"^{M.ACTIVATION_PEAK}$", f"^{M.PREDICTED_ACTIVATION_PEAK}$", f"^{M.PEAK_TOTAL}$", f"^{M.PREDICTED_PEAK_TOTAL}$"
-    ]  # fmt: skip
+        f"^{M.ACTIVATION_PEAK}$",
+        f"^{M.PREDICTED_ACTIVATION_PEAK}$",
+        f"^{M.PEAK_TOTAL}$",
+        f"^{M.PREDICTED_PEAK_TOTAL}$",
+    ]
     assert all(tags for charts in layout.values() for _, tags in charts.values())  # no empty chart
     assert not re.match(layout["loss"]["train and val loss"][1][0], M.hparam_tag(M.FINAL_VAL_LOSS))  # exact
 
@@ -107,7 +110,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import CONF, SMALL
-    from trainer.run import train
+    from trainer.core.run import train
 
     run_dir = tmp_path_factory.mktemp("run")
     overrides = [*SMALL, "trainer.max_steps=4", "trainer.val_every_n_steps=2", "trainer.enable_checkpointing=false"]
@@ -139,7 +142,9 @@ def test_time_series_leads_with_what_a_sweep_compares(run_dir: Path) -> None:
     order = groups(tags)
     assert order[:2] == ["memory", "throughput"], order  # the two groups Time Series opens
     hparam_group = M.hparam_tag("x").split("/", 1)[0]
-    assert order[-1] == hparam_group, f"{order}: the HParams copies must sort last (trainer/metrics.py hparam_tag)"
+    assert order[-1] == hparam_group, (
+        f"{order}: the HParams copies must sort last (trainer/measure/metrics.py hparam_tag)"
+    )
 
 
 def test_hparams_ticks_the_columns_a_sweep_compares(run_dir: Path) -> None:
@@ -195,8 +200,12 @@ def test_a_served_sweep_reads_well_in_a_browser(tmp_path: Path) -> None:
         pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium); bench/tb_screenshot.py needs one")
     sweep = shot.tiny_sweep(tmp_path / "sweep")
     jobs = sorted(p.parent.name for p in sweep.glob("*/summary.json"))
-    assert jobs == ["0_micro=8x1,policy=none", "1_micro=2x4,policy=none", "2_micro=8x1,policy=full",
-                    "3_micro=2x4,policy=full"]  # fmt: skip
+    assert jobs == [
+        "0_micro=8x1,policy=none",
+        "1_micro=2x4,policy=none",
+        "2_micro=8x1,policy=full",
+        "3_micro=2x4,policy=full",
+    ]
     with shot.serving(sweep) as tb:
         seen = shot.describe(tb)
         assert sorted(seen["runs"]) == jobs  # runs named by the job, not <job>/tb

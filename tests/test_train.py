@@ -1,4 +1,4 @@
-"""End-to-end: real fits on the embedded corpus through trainer.run.train and the CLI."""
+"""End-to-end: real fits on the embedded corpus through trainer.core.run.train and the CLI."""
 
 from __future__ import annotations
 
@@ -11,20 +11,40 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import SMALL, run_cli
-from trainer import metrics
-from trainer.run import train
+from trainer.core.run import train
+from trainer.measure import metrics
 
 STEP_TAGS = {
-    "train/loss", "train/lr", "train/grad_norm", "time/step_ms", "throughput/tokens_per_s",
-    "memory/activation_peak_mib", "memory/peak_total_mib",
-}  # fmt: skip
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "time/step_ms",
+    "throughput/tokens_per_s",
+    "memory/activation_peak_mib",
+    "memory/peak_total_mib",
+}
 CUDA_TAGS = {
-    "memory/peak_allocated_mib", "memory/peak_reserved_mib", "memory/alloc_retries", "memory/host_pinned_peak_mib",
-}  # fmt: skip
+    "memory/peak_allocated_mib",
+    "memory/peak_reserved_mib",
+    "memory/alloc_retries",
+    "memory/host_pinned_peak_mib",
+}
 SUMMARY_KEYS = {
-    "status", "policy", "accum", "precision", "model", "batch_size", "seq_len", "median_step_ms", "tokens_per_s",
-    "peak_allocated_mib", "activation_peak_mib", "peak_total_mib", "final_train_loss", "final_val_loss",
-}  # fmt: skip
+    "status",
+    "policy",
+    "accum",
+    "precision",
+    "model",
+    "batch_size",
+    "seq_len",
+    "median_step_ms",
+    "tokens_per_s",
+    "peak_allocated_mib",
+    "activation_peak_mib",
+    "peak_total_mib",
+    "final_train_loss",
+    "final_val_loss",
+}
 
 
 def events(run_dir: Path) -> EventAccumulator:
@@ -221,8 +241,14 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
 def test_a_run_shorter_than_the_warm_up_still_measures(tmp_path: Path, compose_cfg) -> None:
     """A smoke run: 3 steps of 8 micro-batches with the default warm-up of 3 steps. Its last step is
     tracked, every memory figure is there, and the summary says its times include warm-up."""
-    cfg = compose_cfg("policy=selective", "accum=8", "trainer.max_steps=3", "measure.warmup_steps=3",
-                      "measure.activation_every_n_steps=25", "trainer.enable_checkpointing=false")  # fmt: skip
+    cfg = compose_cfg(
+        "policy=selective",
+        "accum=8",
+        "trainer.max_steps=3",
+        "measure.warmup_steps=3",
+        "measure.activation_every_n_steps=25",
+        "trainer.enable_checkpointing=false",
+    )
     summary = train(cfg, tmp_path / "run")
     assert summary["steps"] == 3 and summary["time_includes_warmup"] is True
     assert summary["activation_peak_mib"] > 0 and summary["peak_total_mib"] > summary["activation_peak_mib"]
@@ -236,8 +262,13 @@ def test_times_from_tracked_steps_only_are_flagged() -> None:
     from callbacks.measure import MeasureCallback
 
     def row(step: int, tracked: bool, ms: float) -> dict[str, float]:
-        return {"step": step, "tracked": tracked, metrics.STEP_MS: ms, metrics.TOKENS_PER_S: 1e3 / ms,
-                metrics.TRAIN_LOSS: 1.0}  # fmt: skip
+        return {
+            "step": step,
+            "tracked": tracked,
+            metrics.STEP_MS: ms,
+            metrics.TOKENS_PER_S: 1e3 / ms,
+            metrics.TRAIN_LOSS: 1.0,
+        }
 
     cb = MeasureCallback(warmup_steps=1, activation_every_n_steps=2, max_steps=3)
     cb.records = [row(1, False, 100.0), row(2, True, 150.0)]

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from trainer.check import CheckResult, compare_step
+from trainer.core.step import StepMeter
 from trainer.policies import Policy, apply_policy, build_policy, remove_policy
-from trainer.step import StepMeter
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -39,8 +39,9 @@ def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def loop_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
-              meter: StepMeter | None = None) -> torch.Tensor:  # fmt: skip
+def loop_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, meter: StepMeter | None = None
+) -> torch.Tensor:
     """One step of a plain PyTorch loop; `meter` takes its memory figures (the training state adopted first)."""
     if meter is not None:
         meter.begin(model, [optimizer])
@@ -83,8 +84,11 @@ def check_policy(
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(m, batch)
             loss.backward()
-            grads[k] = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-                        for p in m.parameters() if p.requires_grad]  # fmt: skip
+            grads[k] = [
+                torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for p in m.parameters()
+                if p.requires_grad
+            ]
             opt.step()
             losses.append(float(loss.detach()))
         compare_step(out, s, names, grads, (losses[0], losses[1]), tolerance)
@@ -141,9 +145,22 @@ def estimate_policy(
             meter.abort()
             raise
     notes = ["fake tensors: the step's bytes as a real one holds them, nothing allocated"] if fake else []
-    return LoopEstimate(installed.cfg.name, model.activation_plan.describe(), figures.activation_bytes,
-                        figures.total_bytes, device, notes)  # fmt: skip
+    return LoopEstimate(
+        installed.cfg.name,
+        model.activation_plan.describe(),
+        figures.activation_bytes,
+        figures.total_bytes,
+        device,
+        notes,
+    )
 
 
-__all__ = ["LoopEstimate", "apply_policy", "check_policy", "default_optimizer", "estimate_policy", "loop_step",
-           "remove_policy"]  # fmt: skip
+__all__ = [
+    "LoopEstimate",
+    "apply_policy",
+    "check_policy",
+    "default_optimizer",
+    "estimate_policy",
+    "loop_step",
+    "remove_policy",
+]

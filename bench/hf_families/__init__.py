@@ -18,16 +18,16 @@ seconds each), the sweep
    encoder-decoder, is refused here, and one whose own forward (transformers alone) fails on the tiny config is
    broken here, not in the project;
 2. saves it to a folder and composes `model=hf model.name_or_path=<folder> model.attention=eager data.tokenizer=byte`
-   as train.py would (`trainer.schema.compose_config`); a model with no eager attention path is retried with
+   as train.py would (`trainer.core.schema.compose_config`); a model with no eager attention path is retried with
    `model.attention=sdpa`;
-3. loads it with `models.build_model`, its config read by `trainer.build.hf_config` (the adapter finds its layers);
-4. "loss = the model's own": `DecoderModule.loss_of((x, y))` of the module `trainer.build.module` makes, y = x
+3. loads it with `models.build_model`, its config read by `trainer.core.build.hf_config` (the adapter finds its layers);
+4. "loss = the model's own": `DecoderModule.loss_of((x, y))` of the module `trainer.core.build.module` makes, y = x
    shifted left with the last column -100, against `model(input_ids=x, labels=x).loss`, dropout 0 and eval(), fp32,
    within 1e-5 relative, the output projection scaled ×50 first (logits of tens: a softcap or scale the model
    applies after its head changes the loss; at random init's ±0.5 it would not);
-5. `trainer.check.run_check` for each policy (2 optimizer steps against `none`, bitwise on CPU);
+5. `trainer.check.compare.run_check` for each policy (2 optimizer steps against `none`, bitwise on CPU);
 6. estimate = run, as tests/test_estimate.py holds it: `trainer.estimate.measure(open_session(config), policy)`
-   against a real `trainer.run.train` run's `activation_peak_mib` and `peak_total_mib`, for each of
+   against a real `trainer.core.run.train` run's `activation_peak_mib` and `peak_total_mib`, for each of
    `--estimate-policies` (default none and every checked policy), within 64 bytes.
 
 A row's status: "refused" when the project refused the family in one line (its user errors, the `UserError`s that

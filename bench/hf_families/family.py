@@ -38,7 +38,7 @@ def _first_line(e: BaseException) -> str:
 def classify(e: BaseException) -> tuple[str, str]:
     """("refused", its one line) for the project's user errors (`describe_user_error` knows them), else ("broken",
     "Type: first line")."""
-    from trainer.schema import describe_user_error
+    from trainer.core.schema import describe_user_error
 
     line = describe_user_error(e)
     if line is not None:
@@ -124,7 +124,7 @@ class FamilyRun:
             self.row["seconds"][name] = round(time.perf_counter() - start, 2)
 
     def compose(self, *extra: str) -> Any:
-        from trainer.schema import compose_config
+        from trainer.core.schema import compose_config
 
         return compose_config(overrides_for(self.folder, self.attention, *extra))
 
@@ -169,7 +169,7 @@ class FamilyRun:
         """`models.build_model` on the composed config; no eager attention path: again with sdpa."""
         from models import build_model
         from models.adapter import adapter_for
-        from trainer import build
+        from trainer.core import build
 
         try:
             cfg = self.compose()
@@ -190,7 +190,7 @@ class FamilyRun:
         """`DecoderModule.loss_of((x, y))` against `model(input_ids=x, labels=x).loss`, dropout 0, eval()."""
         import torch
 
-        from trainer import build
+        from trainer.core import build
 
         cfg = self.compose("model.dropout=0.0")
         torch.manual_seed(cfg.seed)
@@ -215,7 +215,7 @@ class FamilyRun:
             )
 
     def check(self, policy: str) -> None:
-        """`trainer.check.run_check`: 2 steps of the policy against `none` (bitwise on CPU)."""
+        """`trainer.check.compare.run_check`: 2 steps of the policy against `none` (bitwise on CPU)."""
         from trainer.check import run_check
 
         try:
@@ -235,11 +235,11 @@ class FamilyRun:
             self.fail(f"check {policy}", "broken", f"differs from none: {result.first_failure}")
 
     def estimate(self, policy: str) -> None:
-        """`trainer.estimate.measure` against a real `trainer.run.train` run of the same config."""
+        """`trainer.estimate.measure` against a real `trainer.core.run.train` run of the same config."""
+        from trainer.core.run import train
         from trainer.estimate import measure, open_session
+        from trainer.formatting import MIB
         from trainer.policies import build_policy
-        from trainer.run import train
-        from trainer.text import MIB
 
         try:
             cfg = self.compose(f"policy={policy}", *RUN)

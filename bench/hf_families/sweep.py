@@ -331,7 +331,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from trainer.schema import OneLineParser
+    from trainer.core.schema import OneLineParser
 
     ap = OneLineParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--families", type=_names, default=None, help="comma-separated model types (default: every one)")

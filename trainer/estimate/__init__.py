@@ -8,10 +8,10 @@ fake tensors.
 The same Hydra overrides as train.py compose the same config. The estimator builds the LightningModule exactly as a
 run does (the model of any family, the policy installed through the decoder contract, the loss head, AdamW and its
 schedule, the precision plugin's module conversion) inside `torch._subclasses.fake_tensor.FakeTensorMode`, so no
-weight or activation is ever allocated, and runs one steady-state optimizer step as Lightning runs it
-(`trainer.step.bare_step`: forward in Lightning's own precision context with last step's gradients alive, zero_grad,
-backward, the numeric guard's norm, clipping, AdamW, the LR step) under the same `StepMeter` the measuring callback
-uses. The two figures are therefore the two a run logs: `activation_bytes` = memory/activation_peak_mib and
+weight or activation is ever allocated, and runs one steady-state optimizer step as Lightning runs
+it (`trainer.core.step.bare_step`: forward in Lightning's own precision context with last step's gradients alive,
+zero_grad, backward, the numeric guard's norm, clipping, AdamW, the LR step) under the same `StepMeter` the measuring
+callback uses. The two figures are therefore the two a run logs: `activation_bytes` = memory/activation_peak_mib and
 `peak_bytes` = memory/peak_total_mib. FLOPs come from torch's FlopCounterMode over the same step.
 
 Inside: `session` (the module on fake tensors, stepped once, and `measure`), `tables` (every policy and loss head),
@@ -19,7 +19,7 @@ Inside: `session` (the module on fake tensors, stepped once, and `measure`), `ta
 """
 
 from trainer.estimate.cli import main, parse_bytes, render, to_json
-from trainer.estimate.plan import plan_for_config, plan_result_for_config, planner_plan
+from trainer.estimate.config_plan import plan_for_config, plan_result_for_config, planner_plan
 from trainer.estimate.session import (
     CudaKernelRules,
     Estimate,

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from trainer.core.schema import Config
 from trainer.errors import UserError
+from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import fit_table
-from trainer.estimate.plan import planner_plan
 from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session, sharded_world
-from trainer.gpus import Gpu, Reserve
+from trainer.formatting import MIB
+from trainer.measure.gpus import Gpu, Reserve
 from trainer.policies import POLICIES, build_policy
-from trainer.schema import Config
-from trainer.text import MIB
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,14 @@ class Advice:
         return "python train.py " + " ".join(with_overrides(user, self.overrides))
 
     def to_json(self, user: Sequence[str]) -> dict[str, Any]:
-        return {"change": self.change, "command": self.command(user), "peak_bytes": self.peak_bytes,
-                "flops_ratio": self.flops_ratio, "fits": self.fits, "note": self.note}  # fmt: skip
+        return {
+            "change": self.change,
+            "command": self.command(user),
+            "peak_bytes": self.peak_bytes,
+            "flops_ratio": self.flops_ratio,
+            "fits": self.fits,
+            "note": self.note,
+        }
 
 
 def with_overrides(user: Sequence[str], changes: Sequence[str]) -> list[str]:
@@ -62,15 +68,25 @@ _PHASES = {
 def where_the_peak_is(est: Estimate) -> str:
     """One line: the phase that sets the step's peak and what holds most of it then."""
     at = est.total_peak_at
-    phase = f"at the end of layer {at.split()[1]}'s forward (activations kept for backward)" if at.startswith(
-        "layer ") else _PHASES.get(at, f"in {at or 'the step'}")  # fmt: skip
+    phase = (
+        f"at the end of layer {at.split()[1]}'s forward (activations kept for backward)"
+        if at.startswith("layer ")
+        else _PHASES.get(at, f"in {at or 'the step'}")
+    )
     parts = sorted(group_labels(est.at_step_peak).items(), key=lambda kv: -kv[1])
     most = ", ".join(f"{label} {v / 2**30:,.2f} GiB" for label, v in parts[:2])
     return f"the step peaks {phase} at {est.peak_bytes / 2**30:,.2f} GiB; most of it: {most}"
 
 
-def advise(session: Session, est: Estimate, table: dict[str, Estimate | str], losses: dict[str, Estimate | str],
-           budget: int, max_world: int = 64, workers: int = 1) -> list[Advice]:  # fmt: skip
+def advise(
+    session: Session,
+    est: Estimate,
+    table: dict[str, Estimate | str],
+    losses: dict[str, Estimate | str],
+    budget: int,
+    max_world: int = 64,
+    workers: int = 1,
+) -> list[Advice]:
     """Every priced change, those that fit first, each group ordered by compute."""
     config, base = session.config, est.flops
     rows: list[Advice] = []
@@ -130,24 +146,57 @@ def _auto(config: Config, device: str, session: Session | None, base: float, bud
     return [_row(f"policy=auto: {plan.describe()}", overrides, e, base, budget)]
 
 
-def _world(config: Config, device: str, session: Session | None, est: Estimate, base: float, budget: int,
-           max_world: int, workers: int) -> list[Advice]:  # fmt: skip
+def _world(
+    config: Config,
+    device: str,
+    session: Session | None,
+    est: Estimate,
+    base: float,
+    budget: int,
+    max_world: int,
+    workers: int,
+) -> list[Advice]:
     """The smallest FSDP2 world size at which one rank of the configured policy and head fits the budget."""
     name = est.policy
     if POLICIES[name].planned_first:
         return []  # auto plans for its own budget on one device
-    table = fit_table(config, device, [Gpu("budget", budget)], Reserve(), [name], max_world=max_world,
-                      workers=workers, session=session, known={sharded_world(config): {name: est}})  # fmt: skip
+    table = fit_table(
+        config,
+        device,
+        [Gpu("budget", budget)],
+        Reserve(),
+        [name],
+        max_world=max_world,
+        workers=workers,
+        session=session,
+        known={sharded_world(config): {name: est}},
+    )
     cell = table.cells[0]
     if cell.world_size is None:
-        return [Advice(f"FSDP2 up to {max_world} ranks", ("trainer=fsdp2",), None, None, False,
-                       f"does not fit at ≤ {max_world} ranks")]  # fmt: skip
+        return [
+            Advice(
+                f"FSDP2 up to {max_world} ranks",
+                ("trainer=fsdp2",),
+                None,
+                None,
+                False,
+                f"does not fit at ≤ {max_world} ranks",
+            )
+        ]
     if cell.world_size == 1:
         return []
     w = cell.world_size
     note = f"{w} GPUs; each rank runs the micro-batch, so a step takes {w}× the tokens (lower accum to keep them)"
-    return [Advice(f"FSDP2 on {w} ranks", ("trainer=fsdp2", f"trainer.devices={w}"), cell.per_rank_peak_bytes,
-                   est.flops / base, True, note)]  # fmt: skip
+    return [
+        Advice(
+            f"FSDP2 on {w} ranks",
+            ("trainer=fsdp2", f"trainer.devices={w}"),
+            cell.per_rank_peak_bytes,
+            est.flops / base,
+            True,
+            note,
+        )
+    ]
 
 
 __all__ = ["Advice", "advise", "where_the_peak_is", "with_overrides"]

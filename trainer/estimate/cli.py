@@ -10,17 +10,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.core.rundir import check_writable, write_json_atomic
+from trainer.core.schema import OneLineParser, compose_config, user_error_status
 from trainer.errors import UserError
 from trainer.estimate.advise import Advice, advise, where_the_peak_is
+from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
-from trainer.estimate.plan import planner_plan
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
-from trainer.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
-from trainer.policies import POLICIES, Plan, build_policy
-from trainer.rundir import check_writable, write_json_atomic
-from trainer.schema import OneLineParser, compose_config, user_error_status
-from trainer.steptime import (
+from trainer.formatting import MIB, flops_text, markdown_table
+from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
+from trainer.measure.steptime import (
     GPU_BANDWIDTH_EFFICIENCY,
     GPU_MATMUL_EFFICIENCY,
     REFERENCE_GPU,
@@ -29,7 +29,7 @@ from trainer.steptime import (
     gpu_speed,
     speed_for,
 )
-from trainer.text import MIB, flops_text, markdown_table
+from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
 
@@ -80,7 +80,7 @@ def render(
         "(* the configured policy; the others with their conf/policy defaults)",
     ]
     if speed is not None:
-        lines += [f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.steptime:"]
+        lines += [f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.steptime:"]
         lines += [f"  assumption: {a}" for a in speed.assumptions]
     if losses:
         config = session.config
@@ -131,8 +131,13 @@ def _memory(est: Estimate) -> list[str]:
     ]
     rows += [(f"  {label}", v, "") for label, v in group_labels(est.at_step_peak).items()]
     if est.host_pinned_bytes:
-        rows.append(("pinned host memory at most (off the device)", est.host_pinned_bytes,
-                     "(memory/host_pinned_peak_mib: offload's copies)"))  # fmt: skip
+        rows.append(
+            (
+                "pinned host memory at most (off the device)",
+                est.host_pinned_bytes,
+                "(memory/host_pinned_peak_mib: offload's copies)",
+            )
+        )
     lines = ["", f"memory, policy={est.policy} (plan {est.plan}), MiB:"]
     lines += [f"  {label:<44}{_mib(v):>12}  {note}".rstrip() for label, v, note in rows]
     per = est.kept_per_layer
@@ -161,12 +166,31 @@ def _policy_table(
             rows.append((f"{name}{star}", f"n/a: {e}") + ("",) * (5 + len(timed) + pinned))
             continue
         fits = "—" if budget is None else ("yes" if e.fits(budget) else "no")
-        rows.append((f"{name}{star}", _short(e.plan), _mib(e.activation_bytes), _mib(e.head_bytes),
-                     _mib(e.peak_bytes), f"{e.flops / base:.3f}", *_time_cells(e, speed), fits)
-                    + ((_mib(e.host_pinned_bytes),) if pinned else ()))  # fmt: skip
+        rows.append(
+            (
+                f"{name}{star}",
+                _short(e.plan),
+                _mib(e.activation_bytes),
+                _mib(e.head_bytes),
+                _mib(e.peak_bytes),
+                f"{e.flops / base:.3f}",
+                *_time_cells(e, speed),
+                fits,
+            )
+            + ((_mib(e.host_pinned_bytes),) if pinned else ())
+        )
     fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
-    header = ("policy", "plan", "activation peak MiB", "head MiB", "total MiB", "FLOPs × none", *timed, fits_head,
-              *(("host pinned MiB",) if pinned else ()))  # fmt: skip
+    header = (
+        "policy",
+        "plan",
+        "activation peak MiB",
+        "head MiB",
+        "total MiB",
+        "FLOPs × none",
+        *timed,
+        fits_head,
+        *(("host pinned MiB",) if pinned else ()),
+    )
     return markdown_table(header, rows, "llrrrr" + "r" * len(timed) + "l" + "r" * pinned)
 
 
@@ -179,8 +203,16 @@ def _loss_table(est: Estimate, losses: dict[str, Estimate | str], speed: Speed |
             rows.append((f"{name}{star}", f"n/a: {e}", "", "", "") + ("", "") * (speed is not None))
             continue
         ratio = e.flops / std.flops if isinstance(std, Estimate) else 1.0
-        rows.append((f"{name}{star}", _mib(e.head_bytes), _mib(e.activation_bytes), _mib(e.peak_bytes), f"{ratio:.3f}",
-                     *_time_cells(e, speed)))  # fmt: skip
+        rows.append(
+            (
+                f"{name}{star}",
+                _mib(e.head_bytes),
+                _mib(e.activation_bytes),
+                _mib(e.peak_bytes),
+                f"{ratio:.3f}",
+                *_time_cells(e, speed),
+            )
+        )
     header = ("loss", "head MiB", "activation peak MiB", "total MiB", "FLOPs × standard")
     header += ("predicted step ms", "predicted tokens/s") if speed is not None else ()
     return markdown_table(header, rows, "lrrrrrr")
@@ -188,17 +220,26 @@ def _loss_table(est: Estimate, losses: dict[str, Estimate | str], speed: Speed |
 
 def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: Sequence[str]) -> str:
     """Where the peak is, then the priced changes: those that fit first, by compute."""
-    rows = [(a.change, "" if a.peak_bytes is None else _mib(a.peak_bytes),
-             "" if a.flops_ratio is None else f"{a.flops_ratio:.3f}", "yes" if a.fits else "no",
-             f"`{a.command(overrides)}`" + (f" ({a.note})" if a.note else "")) for a in advice]  # fmt: skip
+    rows = [
+        (
+            a.change,
+            "" if a.peak_bytes is None else _mib(a.peak_bytes),
+            "" if a.flops_ratio is None else f"{a.flops_ratio:.3f}",
+            "yes" if a.fits else "no",
+            f"`{a.command(overrides)}`" + (f" ({a.note})" if a.note else ""),
+        )
+        for a in advice
+    ]
     header = ("change", "peak per device MiB", "FLOPs × configured", f"fits {_size(budget)}?", "command")
     fitting = sum(a.fits for a in advice)
-    return "\n".join([
-        f"advice for policy={est.policy}, loss={est.loss} at {_size(budget)}: {where_the_peak_is(est)}",
-        f"{fitting} of {len(advice)} changes fit:" if fitting else f"none of {len(advice)} changes fits alone:",
-        "",
-        markdown_table(header, rows, "lrrll"),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"advice for policy={est.policy}, loss={est.loss} at {_size(budget)}: {where_the_peak_is(est)}",
+            f"{fitting} of {len(advice)} changes fit:" if fitting else f"none of {len(advice)} changes fits alone:",
+            "",
+            markdown_table(header, rows, "lrrll"),
+        ]
+    )
 
 
 def fit_times(fit: FitTable, table: dict[str, Estimate | str], gpus: list[Gpu]) -> dict[tuple[str, str], StepTime]:
@@ -226,7 +267,8 @@ def render_fit_by_time(fit: FitTable, times: dict[tuple[str, str], StepTime], to
     header = ("GPU", "policy", "world size", "predicted step ms per rank", "predicted tokens/s, all ranks")
     return "\n".join(
         [
-            "where it fits, fastest first (predicted, not measured: trainer.steptime's roofline at the catalogue's "
+            "where it fits, fastest first (predicted, not measured: trainer.measure.steptime's roofline at the "
+            "catalogue's "
             f"peaks × {GPU_MATMUL_EFFICIENCY:.0%} matmul, × {GPU_BANDWIDTH_EFFICIENCY:.0%} bandwidth; collectives "
             "not costed):",
             "",
@@ -247,8 +289,13 @@ def render_fit(fit: FitTable) -> str:
         cells = []
         for p in policies:
             c = by[(g, p)]
-            cells.append("n/a" if p in fit.refusals else "—" if c.world_size is None else
-                         f"{c.world_size}" + ("" if c.estimated else " (≤)"))  # fmt: skip
+            cells.append(
+                "n/a"
+                if p in fit.refusals
+                else "—"
+                if c.world_size is None
+                else f"{c.world_size}" + ("" if c.estimated else " (≤)")
+            )
         rows.append((label, *cells))
     lines = [
         f"where it fits (loss={fit.loss}): the smallest FSDP2 world size at which one rank's whole-step peak fits "
@@ -320,8 +367,12 @@ def _parser() -> OneLineParser:
         action="store_true",
         help="model torch.autocast with its weight cache on (a bare loop's default); train.py runs it off",
     )
-    parser.add_argument("--policies", default="all", choices=("all", "configured"),
-                        help="'all' (default: every registered policy) or 'configured'")  # fmt: skip
+    parser.add_argument(
+        "--policies",
+        default="all",
+        choices=("all", "configured"),
+        help="'all' (default: every registered policy) or 'configured'",
+    )
     parser.add_argument(
         "--advise", action="store_true", help="with --budget: the changes that fit it, priced (shown anyway on a miss)"
     )
@@ -348,9 +399,16 @@ def _parser() -> OneLineParser:
 
 
 def _extras(
-    args: Any, session: Session, est: Estimate, table: dict[str, Estimate | str], losses: dict[str, Estimate | str],
-    budget: int | None, plans: dict[str, Plan], gpus: list[Gpu], reserve: Reserve | None,
-) -> tuple[list[Advice] | None, FitTable | None]:  # fmt: skip
+    args: Any,
+    session: Session,
+    est: Estimate,
+    table: dict[str, Estimate | str],
+    losses: dict[str, Estimate | str],
+    budget: int | None,
+    plans: dict[str, Plan],
+    gpus: list[Gpu],
+    reserve: Reserve | None,
+) -> tuple[list[Advice] | None, FitTable | None]:
     """The advice (a budget not met, or --advise) and the fit table (--fit), on the open session."""
     workers = min(2, os.cpu_count() or 1)
     advice = None
@@ -360,8 +418,18 @@ def _extras(
     if args.fit:
         assert reserve is not None
         names = [n for n, e in table.items() if isinstance(e, Estimate) or not POLICIES[n].planned_first]
-        fit = fit_table(session.config, session.device, gpus, reserve, names, plans, args.max_world, workers,
-                        session=session, known={session.world: table})  # fmt: skip
+        fit = fit_table(
+            session.config,
+            session.device,
+            gpus,
+            reserve,
+            names,
+            plans,
+            args.max_world,
+            workers,
+            session=session,
+            known={session.world: table},
+        )
     return advice, fit
 
 
@@ -453,7 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, doc)
         except OSError as e:
-            print(f"error: --json {path}: cannot write it ({e.strerror or e}); the estimate is printed above",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: --json {path}: cannot write it ({e.strerror or e}); the estimate is printed above",
+                file=sys.stderr,
+            )
             return 2
     return 0

@@ -1,5 +1,5 @@
 """Where a configuration fits: for each GPU of the catalogue and each policy, the smallest FSDP2 world size at which
-one rank's whole-step peak fits in the GPU's memory less the reserve (trainer/gpus.py).
+one rank's whole-step peak fits in the GPU's memory less the reserve (trainer/measure/gpus.py).
 
 Why a few estimates answer every world size: under FSDP2 a rank holds its shard of each parameter (the first
 ceil(rows / world) rows, torch.chunk's split), the gradients and AdamW state of that shard, and, at every world
@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainer import step as step_
+from trainer.core import step as step_
+from trainer.core.schema import Config
 from trainer.estimate.session import Estimate, Session, open_session
 from trainer.estimate.tables import estimate_all
-from trainer.gpus import Gpu, Reserve
+from trainer.measure.gpus import Gpu, Reserve
 from trainer.policies import Plan
-from trainer.schema import Config
 
 MARGIN = 1e-4  # a bound this close to a capacity is not trusted (rounding): estimate that world size
 SHARDED = (step_.PARAMETERS, step_.OPTIMIZER_STATE, step_.LAST_GRADIENTS, step_.GRADIENTS, step_.OPTIMIZER)
@@ -148,8 +148,15 @@ class _Worlds:
     """Estimates of the wanted policies at a world size, one session per world size; `known` ones are not redone
     and `session` (the caller's, at its own world size) is reused."""
 
-    def __init__(self, config: Config, device: str, plans: dict[str, Plan], workers: int, session: Session | None,
-                 known: dict[int, dict[str, Estimate | str]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        device: str,
+        plans: dict[str, Plan],
+        workers: int,
+        session: Session | None,
+        known: dict[int, dict[str, Estimate | str]],
+    ) -> None:
         self.config, self.device, self.plans, self.workers = config, device, plans, workers
         self.session, self.known = session, known
         self.shapes: list[tuple[tuple[int, ...], int]] = []
@@ -168,9 +175,12 @@ class _Worlds:
             if not self.shapes and world == 1:
                 self.shapes = _shapes(session)
             todo = [n for n in names if n not in known]
-            return {**{n: known[n] for n in names if n in known},
-                    **estimate_all(session.config, session.device, self.plans, session=session, workers=self.workers,
-                                   only=todo)}  # fmt: skip
+            return {
+                **{n: known[n] for n in names if n in known},
+                **estimate_all(
+                    session.config, session.device, self.plans, session=session, workers=self.workers, only=todo
+                ),
+            }
         finally:
             if own is None:
                 session.close()
@@ -272,8 +282,9 @@ def _units(worlds: _Worlds) -> Callable[[int], tuple[int, int]]:
     return unit
 
 
-def _cell(gpu: Gpu, usable: int, name: str, curve: Curve, loss: str, max_world: int,
-          unit: Callable[[int], tuple[int, int]]) -> FitCell:  # fmt: skip
+def _cell(
+    gpu: Gpu, usable: int, name: str, curve: Curve, loss: str, max_world: int, unit: Callable[[int], tuple[int, int]]
+) -> FitCell:
     base = dict(gpu=gpu.name, memory_bytes=gpu.memory_bytes, usable_bytes=usable, policy=name, loss=loss)
     if curve.refusal:
         return FitCell(**base, world_size=None, per_rank_peak_bytes=None, estimated=True)
@@ -285,8 +296,13 @@ def _cell(gpu: Gpu, usable: int, name: str, curve: Curve, loss: str, max_world: 
     if world == 1:
         return FitCell(**base, world_size=1, per_rank_peak_bytes=curve.single, estimated=True)
     _, high = curve.bounds(world, *unit(world))  # exact where estimated, else the bound that proved the fit
-    return FitCell(**base, world_size=world, per_rank_peak_bytes=int(high), estimated=not unsure,
-                   peak_is_bound=world not in curve.lines)  # fmt: skip
+    return FitCell(
+        **base,
+        world_size=world,
+        per_rank_peak_bytes=int(high),
+        estimated=not unsure,
+        peak_is_bound=world not in curve.lines,
+    )
 
 
 __all__ = ["MARGIN", "Curve", "FitCell", "FitTable", "Line", "at_world", "fit_table", "shard_unit"]

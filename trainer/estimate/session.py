@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from trainer import precision as precision_
-from trainer import step as step_
+from trainer.core import step as step_
+from trainer.core.schema import Config, ConfigError, model_vocab
 from trainer.loss import LossConfig
+from trainer.measure.steptime import OpTrace, Speed, StepTime, Work
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.policies.offload import HostLedger, offload_to_ledger
-from trainer.schema import Config, ConfigError, model_vocab
-from trainer.steptime import OpTrace, Speed, StepTime, Work
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,11 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     total_peak_at: str = ""  # what the op that set the step's peak belongs to ("layer 3", "backward", "optimizer")
     host_pinned_bytes: int = 0  # offload's copies in pinned host memory at most (per rank; --device cuda)
-    work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.steptime)
+    work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.measure.steptime)
     tokens: int = 0  # per optimizer step, per rank
 
     def step_time(self, speed: Speed) -> StepTime:
-        """The step's predicted time on `speed`'s device (trainer.steptime)."""
+        """The step's predicted time on `speed`'s device (trainer.measure.steptime)."""
         return speed.predict(self.work)
 
     @property
@@ -216,8 +216,8 @@ class Session:
 @contextlib.contextmanager
 def _real_semantics(config: Config) -> Iterator[None]:
     """Rules for fake tensors that differ from the real run: CPU kernels whose fake output torch gets wrong (the MoE
-    grouped matmul: trainer/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors)."""
-    from trainer.fake_kernels import cpu_kernel_rules
+    grouped matmul: trainer/measure/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors)."""
+    from trainer.measure.fake_kernels import cpu_kernel_rules
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cpu_kernel_rules())
@@ -254,11 +254,11 @@ def _one_line_when_unrunnable() -> Iterator[None]:
 
 
 def estimate_device(config: Config, device: str | None) -> str:
-    """The device the estimate is for: `--device`, else the one the run trains on (trainer/build.py), except that
+    """The device the estimate is for: `--device`, else the one the run trains on (trainer/core/build.py), except that
     trainer.accelerator=gpu on a machine without one is estimated for CUDA (translated), not refused."""
     if device is not None:
         return device
-    from trainer import build
+    from trainer.core import build
 
     return "cuda" if config.trainer.accelerator in ("gpu", "cuda") else build.train_device(config)
 
@@ -282,8 +282,10 @@ def _precision(config: Config, device: str, notes: list[str]) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         chosen = "bf16-mixed" if config.precision == "auto" else config.precision
         if config.precision == "auto":
-            notes.append("precision=auto → bf16-mixed: no CUDA device here to ask, so a GPU with bf16 (Ampere or "
-                         "newer) is assumed; precision=16-mixed or 32-true estimates others")  # fmt: skip
+            notes.append(
+                "precision=auto → bf16-mixed: no CUDA device here to ask, so a GPU with bf16 (Ampere or "
+                "newer) is assumed; precision=16-mixed or 32-true estimates others"
+            )
     else:
         chosen, why = precision_.resolve(config.precision, device)
         if config.precision == "auto":
@@ -314,8 +316,10 @@ def _plugin(chosen: str, fake_device: str, autocast_cache: bool, notes: list[str
     plugin = precision_.plugin(chosen, fake_device)
     if autocast_cache and chosen.endswith("-mixed"):
         plugin = _CachedAutocast(plugin)
-        notes.append("autocast weight cache on (--autocast-cache): a bare loop's default torch.autocast; train.py "
-                     "runs Lightning's, with it off")  # fmt: skip
+        notes.append(
+            "autocast weight cache on (--autocast-cache): a bare loop's default torch.autocast; train.py "
+            "runs Lightning's, with it off"
+        )
     elif chosen.endswith("-mixed"):
         notes.append("autocast weight cache off, as train.py runs it (Lightning's MixedPrecision)")
     if getattr(plugin, "scaler", None) is not None:
@@ -328,14 +332,14 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     """Build the configured module on fake tensors of the estimate's device, and step it once."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainer import build
+    from trainer.core import build
 
     device = estimate_device(config, device)
     notes: list[str] = []
     chosen = _precision(config, device, notes)
     fake_device, rules = _kernels(device, notes)
     hf_config = build.hf_config(config)
-    from trainer.data import check_config
+    from trainer.core.data import check_config
 
     tokenizer_from = config.model.name_or_path if config.data.tokenizer == "model" else None
     check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
@@ -445,8 +449,10 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     accum = session.config.accum
     notes = list(session.notes)
     if (loss or configured_loss).name == "fused":
-        notes.append("loss=fused is one op to the tracker: its per-chunk workspace inside (≈ chunk_tokens × vocab × "
-                     "4 B) is not counted (trainer/loss.py)")  # fmt: skip
+        notes.append(
+            "loss=fused is one op to the tracker: its per-chunk workspace inside (≈ chunk_tokens × vocab × "
+            "4 B) is not counted (trainer/loss.py)"
+        )
     total_flops = counter.total
     work = counter.work
     work.host_copy_bytes = 2 * session.host.copied
@@ -510,7 +516,7 @@ def group_labels(by_label: dict[str, int]) -> dict[str, int]:
 
 def _components(session: Session, figures: step_.StepFigures) -> dict[str, int]:
     """The training state's bytes on this rank (a sharded parameter counts its local shard) and the two figures."""
-    from trainer.memory import local_tensors
+    from trainer.measure.memory import local_tensors
 
     def nbytes(tensors: Any) -> int:
         storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in local_tensors(tensors)}

@@ -11,10 +11,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainer import CONF
+from trainer.core.schema import Config
 from trainer.estimate.session import Estimate, Session, measure, open_session
 from trainer.loss import LOSSES
 from trainer.policies import POLICIES, Plan, Policy, PolicyError, build_policy, resolve_plan
-from trainer.schema import CONF, Config
 
 
 def default_policy(name: str) -> Policy:

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from trainer.core.rundir import check_writable, write_json_atomic, write_text_atomic
+from trainer.core.schema import Config, OneLineParser, compose_config, user_error_status
 from trainer.estimate import Session, estimate_device, open_session, planner_plan
 from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices, rows
 from trainer.export.spec import TARGETS, Context, ExportRefused, Target, settings_line, target
+from trainer.formatting import MIB, flops_text, markdown_table
 from trainer.policies import build_policy, resolve_plan
-from trainer.rundir import check_writable, write_json_atomic, write_text_atomic
-from trainer.schema import Config, OneLineParser, compose_config, user_error_status
-from trainer.text import MIB, flops_text, markdown_table
 
 
 @dataclass
@@ -55,8 +55,9 @@ def build_context(config: Config, device: str) -> tuple[Context, Session, str]:
     model = session.module.model
     rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     rates.append(float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0))
-    ctx = Context(config, policy, plan, adapter.n_layer, adapter.attention, type(adapter.layers[0]), max(rates),
-                  session.device)  # fmt: skip
+    ctx = Context(
+        config, policy, plan, adapter.n_layer, adapter.attention, type(adapter.layers[0]), max(rates), session.device
+    )
     return ctx, session, planner
 
 
@@ -132,8 +133,12 @@ def _form_lines(form: Form, device: str) -> list[str]:
     table = markdown_table(("element of our plan", "fidelity", "how"), cells)
     lines += ["", f"fidelity: {form.verdict}", table]
     if form.ours is not None and form.closest is not None:
-        lines += ["", f"ours beside the closest plan {form.target.name} can write ({form.chosen.label}): the "
-                      f"estimator's figures for one optimizer step (--device {device}):", _figures(form)]  # fmt: skip
+        lines += [
+            "",
+            f"ours beside the closest plan {form.target.name} can write ({form.chosen.label}): the "
+            f"estimator's figures for one optimizer step (--device {device}):",
+            _figures(form),
+        ]
     return lines + [f"note: {n}" for n in form.notes]
 
 
@@ -142,8 +147,14 @@ def _figures(form: Form) -> str:
     base = form.ours.flops or 1
 
     def row(who: str, f: Figures) -> tuple[str, ...]:
-        return (who, f.plan, f.loss, f"{f.activation_bytes / MIB:,.2f}", f"{f.peak_bytes / MIB:,.2f}",
-                f"{flops_text(f.flops)} ({f.flops / base:.3f}×)")  # fmt: skip
+        return (
+            who,
+            f.plan,
+            f.loss,
+            f"{f.activation_bytes / MIB:,.2f}",
+            f"{f.peak_bytes / MIB:,.2f}",
+            f"{flops_text(f.flops)} ({f.flops / base:.3f}×)",
+        )
 
     header = ("plan", "runs", "loss", "activation peak MiB", "whole-step peak MiB", "FLOPs (× ours)")
     return markdown_table(header, [row("ours", form.ours), row("closest", form.closest)], "lllrrr")
@@ -226,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, to_json(answer))
     except OSError as e:
-        print(f"error: cannot write {e.filename or ''} ({e.strerror or e}); the settings are printed above",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: cannot write {e.filename or ''} ({e.strerror or e}); the settings are printed above",
+            file=sys.stderr,
+        )
         return 2
     return 0

@@ -34,8 +34,8 @@ from trainer.export.spec import (
     elements,
     settings_line,
 )
+from trainer.formatting import MIB
 from trainer.policies import Plan, Policy, PolicyConfig
-from trainer.text import MIB
 
 
 @dataclass
@@ -145,8 +145,9 @@ def refuse_if_inexpressible(target: Target, ctx: Context, version: Version, expl
     work: list[Element] = [e for e in ctx.elements if e.treatment != "none"] or ctx.elements
     if any(target.can(e, ctx, version) for e in work):
         return
-    others = [f"--to {n}" for n, t in TARGETS.items()
-              if n != target.name and all(t.can(e, ctx, t.versions[0]) for e in work)]  # fmt: skip
+    others = [
+        f"--to {n}" for n, t in TARGETS.items() if n != target.name and all(t.can(e, ctx, t.versions[0]) for e in work)
+    ]
     flag = f" --target-version {version.key}" if explicit else ""
     if others:
         what = (f"{', '.join(others[:-1])} or {others[-1]}" if len(others) > 1 else others[0]) + " can"
@@ -236,8 +237,15 @@ def export_form(target: Target, ctx: Context, version: Version, measurer: Measur
     return Form(target, version, chosen, loss, form_rows, text, ours, closest_figures, notes + chosen.notes)
 
 
-def _fitting_alternative(target: Target, ctx: Context, version: Version, loss: LossMap, measurer: Measurer,
-                         others: list[Candidate], ours: Figures) -> list[str]:  # fmt: skip
+def _fitting_alternative(
+    target: Target,
+    ctx: Context,
+    version: Version,
+    loss: LossMap,
+    measurer: Measurer,
+    others: list[Candidate],
+    ours: Figures,
+) -> list[str]:
     """Where the closest faithful plan peaks above ours: the cheapest other plan the target can write that does fit,
     as a note (it runs some element another way)."""
     fitting = [(f, c) for c in others if (f := measurer.candidate(c, loss.closest)) and f.peak_bytes <= ours.peak_bytes]
@@ -245,5 +253,7 @@ def _fitting_alternative(target: Target, ctx: Context, version: Version, loss: L
         return []
     f, c = min(fitting, key=lambda x: x[0].flops)
     settings = settings_line(target.render(c, loss, ctx, version))
-    return [f"the closest peaks above ours; {c.label} ({settings}) fits: whole-step peak {f.peak_bytes / MIB:,.2f} "
-            f"MiB, {f.flops / ours.flops:.3f}× our FLOPs, running {f.plan}"]  # fmt: skip
+    return [
+        f"the closest peaks above ours; {c.label} ({settings}) fits: whole-step peak {f.peak_bytes / MIB:,.2f} "
+        f"MiB, {f.flops / ours.flops:.3f}× our FLOPs, running {f.plan}"
+    ]

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from trainer.core.schema import Config
 from trainer.errors import UserError
 from trainer.loss import LossConfig
 from trainer.policies import Plan, Policy, treatments
-from trainer.schema import Config
 
 Status = Literal["exact", "approximated", "not expressible"]
 EXACT: Status = "exact"
@@ -333,8 +333,10 @@ def checkpoint_and_offload(n_layer: int, settings: dict[str, Any], notes: list[s
 
 def offload_by_checkpoint(theirs: str) -> tuple[Status, str]:
     """The fidelity of `checkpoint_and_offload` to our offload; `theirs`: how the target does it."""
-    return APPROX, (f"{theirs}; ours recomputes nothing and keeps every activation in host memory. Measured here "
-                    "as full (the inputs' host copy not modelled)")  # fmt: skip
+    return APPROX, (
+        f"{theirs}; ours recomputes nothing and keeps every activation in host memory. Measured here "
+        "as full (the inputs' host copy not modelled)"
+    )
 
 
 def settings_line(text: str) -> str:

@@ -10,18 +10,7 @@ as text and as a dict, the refusal) and `plan` (the verbs). The configuration-le
 fake tensors or real ones) is the estimator's: `trainer.estimate.plan_for_config`.
 """
 
-from trainer.planner.explain import PlanResult, describe, refusal
-from trainer.planner.peak import (
-    BOOKKEEPING,
-    Cost,
-    PeakModel,
-    Profile,
-    Solution,
-    affine_profile,
-    largest_micro_batch,
-    smallest_budget_mib,
-)
-from trainer.planner.plan import (
+from trainer.planner.choose import (
     budget_bytes,
     candidate_treatments,
     choose,
@@ -32,6 +21,17 @@ from trainer.planner.plan import (
     preserved_rng,
     profile_model,
     solve_profile,
+)
+from trainer.planner.explain import PlanResult, describe, refusal
+from trainer.planner.peak import (
+    BOOKKEEPING,
+    Cost,
+    PeakModel,
+    Profile,
+    Solution,
+    affine_profile,
+    largest_micro_batch,
+    smallest_budget_mib,
 )
 from trainer.planner.profiler import profile
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.formatting import MIB, markdown_table, mib
 from trainer.planner.peak import PeakModel, Profile, Solution, affine_profile, largest_micro_batch, smallest_budget_mib
 from trainer.policies import Plan
-from trainer.text import MIB, markdown_table, mib
 
 BLOCK_HEADER = (
     "block",
@@ -117,15 +117,27 @@ class PlanResult:
             else:
                 runs.append((r["block"], r["block"], r))
         blocks = [
-            [a if a == b else f"{a}-{b}", r["treatment"], f"{r['kept_mib']:.3f}", f"{r['kept_in_forward_mib']:.3f}",
-             f"{r['transient_mib']:.3f}", f"{r['fwd_ms']:.1f}", f"{r['bwd_ms']:.1f}"]
+            [
+                a if a == b else f"{a}-{b}",
+                r["treatment"],
+                f"{r['kept_mib']:.3f}",
+                f"{r['kept_in_forward_mib']:.3f}",
+                f"{r['transient_mib']:.3f}",
+                f"{r['fwd_ms']:.1f}",
+                f"{r['bwd_ms']:.1f}",
+            ]
             for a, b, r in runs
-        ]  # fmt: skip
+        ]
         uniform = [
-            [name, mib(u.peak), "yes" if u.peak <= self.budget else "no", f"{u.step_ms:,.0f}",
-             f"{u.step_ms / s.step_ms:.2f}"]
+            [
+                name,
+                mib(u.peak),
+                "yes" if u.peak <= self.budget else "no",
+                f"{u.step_ms:,.0f}",
+                f"{u.step_ms / s.step_ms:.2f}",
+            ]
             for name, u in self.uniform.items()
-        ]  # fmt: skip
+        ]
         lines += [
             "",
             markdown_table(BLOCK_HEADER, blocks, "rlrrrrr"),

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainer.text import MIB
+from trainer.formatting import MIB
 
 # Lightning's per-step scalars (the closure's loss / accum, logged values, norms) that a bare loop does not make:
 # measured within ±1.2 KiB of the model on CPU runs; this is headroom for them.

@@ -11,12 +11,12 @@ measuring callback reports as `peak_total_mib`):
   flight, its parameters' new gradients); and its forward and backward time (the median of `repeats` rounds after
   `warmup`, each round running every treatment once, order rotated), measured once per group of blocks of identical
   structure, whose bytes and times are identical too; on fake tensors the times are the step-time model's
-  prediction (trainer.steptime) for the device the estimate is for;
+  prediction (trainer.measure.steptime) for the device the estimate is for;
 * the rest of the model (embedding and loss head) in the same way, with the block stack cut out, once per loss
   head the planner may choose;
 * the training state: parameters and buffers, gradients, optimizer state (a throw-away optimizer of the run's
   kind with lr=0 on the real parameters, so nothing changes), and the peak of the step's optimizer phase
-  (`trainer.step.optimizer_phase`: the guard's norm, clipping, the update).
+  (`trainer.core.step.optimizer_phase`: the guard's norm, clipping, the update).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from torch import nn
 
 from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
-from trainer.memory import LiveTensorTracker
+from trainer.core.step import optimizer_phase
+from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.steptime import Speed, speed_for, trace
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
-from trainer.step import optimizer_phase
-from trainer.steptime import Speed, speed_for, trace
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Context = tuple[tuple[Any, ...], dict[str, Any]]  # a layer's arguments after the hidden states
@@ -88,8 +88,8 @@ class _Timer:
 
 @dataclass
 class _RooflineClock:
-    """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.steptime) against
-    the device the estimate is for."""
+    """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.measure.steptime)
+    against the device the estimate is for."""
 
     speed: Speed
 
@@ -137,9 +137,13 @@ class _Run:
 
 
 def _run_block(
-    run: _Run, layer: nn.Module, x_src: torch.Tensor, context: Context, w: torch.Tensor,
+    run: _Run,
+    layer: nn.Module,
+    x_src: torch.Tensor,
+    context: Context,
+    w: torch.Tensor,
     tracker: LiveTensorTracker | None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Forward (in the precision plugin's forward context) then backward of one layer on a copy of its real input,
     called with the arguments the model passes it.
 
@@ -240,8 +244,14 @@ def profile(
     if device.type == "cuda" and not fake:
         state = [*model.parameters(), *model.buffers(), *resident]
         untracked = max(0, torch.cuda.memory_allocated(device) - _unique_bytes(state))
-    shape = {"micro_batch": batch[0].shape[0], "seq_len": batch[0].shape[1], "accum": accum, "precision": precision,
-             "device": device.type, "untracked": untracked}  # fmt: skip
+    shape = {
+        "micro_batch": batch[0].shape[0],
+        "seq_len": batch[0].shape[1],
+        "accum": accum,
+        "precision": precision,
+        "device": device.type,
+        "untracked": untracked,
+    }
     notes = [f"step times predicted for {run.timer.speed.name}"] if isinstance(run.timer, _RooflineClock) else []
     prof = _assemble(treatments, blocks, rests, opt, shape, policy, notes)
     if run.rounds > 1:
@@ -345,7 +355,7 @@ def _assemble(
     profiles = {
         name: Profile(
             **common, **{k: v for k, v in rest.items() if k != "ms"}, rest_ms=rest["ms"], loss=name, notes=list(notes)
-        )  # fmt: skip
+        )
         for name, rest in rests.items()
     }
     primary = next(iter(profiles.values()))
@@ -353,9 +363,9 @@ def _assemble(
     return primary
 
 
-def _block_inputs(run: _Run, batch: Batch, loss_fn: Callable[..., Any], firsts: set[int]) -> tuple[
-    dict[int, torch.Tensor], list[Context]
-]:  # fmt: skip
+def _block_inputs(
+    run: _Run, batch: Batch, loss_fn: Callable[..., Any], firsts: set[int]
+) -> tuple[dict[int, torch.Tensor], list[Context]]:
     """One no-grad pass over the micro-batch: the real input of the layers in `firsts`, and every layer's
     arguments (its context), as the model's own loop passes them."""
     inputs: dict[int, torch.Tensor] = {}
@@ -441,9 +451,10 @@ class _BlockBench:
                     runs[(i, t)].append(m)
         return {
             pair: (statistics.median(m["fwd_ms"] for m in ms), statistics.median(m["bwd_ms"] for m in ms))
-            if ms else (0.0, 0.0)
+            if ms
+            else (0.0, 0.0)
             for pair, ms in runs.items()
-        }  # fmt: skip
+        }
 
 
 def _cost(m: dict[str, float], none: dict[str, float] | None, t: str, times: tuple[float, float]) -> Cost:
@@ -488,8 +499,9 @@ def _profile_blocks(
     return {"costs": costs, "block_grads": block_grads, "x_bytes": _storage_bytes(inputs[0])}
 
 
-def _segmented(run: _Run, batch: Batch, loss_fn: Callable[..., torch.Tensor],
-               tracker: LiveTensorTracker | None) -> dict[str, Any]:  # fmt: skip
+def _segmented(
+    run: _Run, batch: Batch, loss_fn: Callable[..., torch.Tensor], tracker: LiveTensorTracker | None
+) -> dict[str, Any]:
     """The model with its layers cut out: embedding → (cut) → loss head, forward then backward.
 
     At the cut (the first layer's call) the embedding's output x0 is kept and a fresh leaf h stands in for the last

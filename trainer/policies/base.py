@@ -282,8 +282,9 @@ def build_policy(cfg: Mapping[str, Any] | DictConfig | PolicyConfig | str) -> Po
     if isinstance(typed, CompositeConfig):  # each treatment's parameters, validated by that treatment's Config
         for t in typed.params:
             if t not in treatments():
-                raise PolicyError(f"policy {name}: policy.params.{t}: not a treatment; give one of "
-                                  f"{', '.join(treatments())}")  # fmt: skip
+                raise PolicyError(
+                    f"policy {name}: policy.params.{t}: not a treatment; give one of {', '.join(treatments())}"
+                )
             policy.treatment_policy(t)
     return policy
 

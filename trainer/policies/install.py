@@ -56,8 +56,9 @@ def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
     """Put `plan` on the layers: core-attention wrappers for treatments that recompute it, forward overrides for
     segments whose treatment runs them other than as they are."""
     if plan.n_layer != adapter.n_layer:
-        raise PolicyError(f"policy {policy.cfg.name}: the plan covers {plan.n_layer} blocks, the model has "
-                          f"{adapter.n_layer}")  # fmt: skip
+        raise PolicyError(
+            f"policy {policy.cfg.name}: the plan covers {plan.n_layer} blocks, the model has {adapter.n_layer}"
+        )
     for seg in plan.segments:
         tp = policy.treatment_policy(seg.treatment)
         if tp.recomputes_core:
@@ -70,12 +71,14 @@ def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
             for i in range(seg.start, seg.stop):
                 adapter.override_forward(i, functools.partial(runner.forward, i))
         else:
-            adapter.override_forward(seg.start, functools.partial(_run_one, adapter.original_forward(seg.start), tp,
-                                                                  seg.start))  # fmt: skip
+            adapter.override_forward(
+                seg.start, functools.partial(_run_one, adapter.original_forward(seg.start), tp, seg.start)
+            )
 
 
-def _run_one(forward: Callable[..., torch.Tensor], tp: Policy, key: int, hidden: torch.Tensor, *args: Any,
-             **kwargs: Any) -> torch.Tensor:  # fmt: skip
+def _run_one(
+    forward: Callable[..., torch.Tensor], tp: Policy, key: int, hidden: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     return tp.run(lambda x: forward(x, *args, **kwargs), hidden, key)
 
 

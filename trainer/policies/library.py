@@ -13,8 +13,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.errors import PolicyError
-from trainer.flops import count_sac_decision
 from trainer.loss import LOSSES
+from trainer.measure.flops import count_sac_decision
 from trainer.policies.base import (
     CompositeConfig,
     Plan,
@@ -116,7 +116,7 @@ class OpLevelSAC(Policy):
         save = resolve_ops(self.cfg.save_ops)
 
         def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            count_sac_decision()  # the step-time model costs each decision (trainer.steptime)
+            count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
             packet = getattr(op, "overloadpacket", op)
             return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -62,8 +62,13 @@ def hf_names() -> Names:
     enable = enable or PreTrainedModel.gradient_checkpointing_enable
     params = inspect.signature(enable).parameters
     prefix = "activation" if new else "gradient"
-    return Names(transformers.__version__, f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs",
-                 "every_n_layers" in params, "offload" in params)  # fmt: skip
+    return Names(
+        transformers.__version__,
+        f"{prefix}_checkpointing",
+        f"{prefix}_checkpointing_kwargs",
+        "every_n_layers" in params,
+        "offload" in params,
+    )
 
 
 LIGER = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False, "swiglu": False}
@@ -78,8 +83,10 @@ class HuggingFace(Target):
     def names(self, v: Version) -> str:
         if v.installed() is None:
             return super().names(v)
-        return (f"names for transformers {hf_names().version}, the one installed here (read from its "
-                "TrainingArguments and activation_checkpointing_enable)")  # fmt: skip
+        return (
+            f"names for transformers {hf_names().version}, the one installed here (read from its "
+            "TrainingArguments and activation_checkpointing_enable)"
+        )
 
     def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
         names, n, plan = hf_names(), ctx.n_layer, ctx.plan
@@ -135,12 +142,16 @@ class HuggingFace(Target):
             which = f"every_n_layers={nth}: layers 0, {nth}, {2 * nth}, … checkpointed" if nth else "each layer"
             return EXACT, f"{which} (torch.utils.checkpoint, use_reentrant=False, RNG state preserved as ours)"
         if e.treatment == "op_sac" and e.group == 1:
-            return EXACT, ("context_fn: torch's selective-checkpoint contexts with our decision (policy.save_ops), "
-                           "passed through to torch.utils.checkpoint; a Python object, so this form fits a script, "
-                           "not a JSON or command-line config")  # fmt: skip
+            return EXACT, (
+                "context_fn: torch's selective-checkpoint contexts with our decision (policy.save_ops), "
+                "passed through to torch.utils.checkpoint; a Python object, so this form fits a script, "
+                "not a JSON or command-line config"
+            )
         if e.treatment == "offload" and e.group == 1:
-            return offload_by_checkpoint("offload=True checkpoints each layer and holds what the checkpoint keeps "
-                                         "(its input) in pinned host memory (torch's save_on_cpu)")  # fmt: skip
+            return offload_by_checkpoint(
+                "offload=True checkpoints each layer and holds what the checkpoint keeps "
+                "(its input) in pinned host memory (torch's save_on_cpu)"
+            )
         return None
 
     def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
@@ -154,15 +165,19 @@ class HuggingFace(Target):
     def why_not(self, e: Element, ctx: Context, version: Version) -> str:
         if e.group > 1:
             return "Hugging Face checkpoints each decoder layer on its own call, never several layers as one region"
-        return ("Hugging Face checkpoints every layer or every n-th (every_n_layers: layers 0, n, 2n, …), one "
-                "context_fn for all")  # fmt: skip
+        return (
+            "Hugging Face checkpoints every layer or every n-th (every_n_layers: layers 0, n, 2n, …), one "
+            "context_fn for all"
+        )
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("the model's own loss: cross-entropy on the whole logits")
         settings = {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER)}
-        why = ("Liger's fused linear cross-entropy (liger-kernel 0.8.5; Triton kernels, CUDA only): projection and "
-               "loss chunk by chunk, gradients made in the forward")  # fmt: skip
+        why = (
+            "Liger's fused linear cross-entropy (liger-kernel 0.8.5; Triton kernels, CUDA only): projection and "
+            "loss chunk by chunk, gradients made in the forward"
+        )
         if ctx.loss.name == "chunked":
             why += ", so nothing is recomputed (ours recomputes each chunk's logits); Liger sizes its own chunks"
         return LossMap(APPROX, why, settings, ctx.loss.name)
@@ -173,13 +188,22 @@ class HuggingFace(Target):
         kwargs = settings.get(names.kwargs, {})
         if "context_fn" in kwargs:
             save = ", ".join(f"torch.ops.{op}" for op in ctx.treatment("op_sac").cfg.save_ops)  # type: ignore[attr-defined]
-            head = ["import functools", "", "import torch",
-                    "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
-                    "from transformers import TrainingArguments", "", f"SAVE = {{{save}}}  # policy.save_ops", "", "",
-                    "def save_listed(ctx, op, *args, **kwargs):",
-                    '    packet = getattr(op, "overloadpacket", op)',
-                    "    return CheckpointPolicy.MUST_SAVE if packet in SAVE else CheckpointPolicy.PREFER_RECOMPUTE",
-                    "", ""]  # fmt: skip
+            head = [
+                "import functools",
+                "",
+                "import torch",
+                "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts",
+                "from transformers import TrainingArguments",
+                "",
+                f"SAVE = {{{save}}}  # policy.save_ops",
+                "",
+                "",
+                "def save_listed(ctx, op, *args, **kwargs):",
+                '    packet = getattr(op, "overloadpacket", op)',
+                "    return CheckpointPolicy.MUST_SAVE if packet in SAVE else CheckpointPolicy.PREFER_RECOMPUTE",
+                "",
+                "",
+            ]
         else:
             head = ["from transformers import TrainingArguments", ""]
         lines = ["training_args = TrainingArguments("]

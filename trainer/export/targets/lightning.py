@@ -31,16 +31,21 @@ class Lightning(Target):
     def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
         n = ctx.n_layer
         none = Candidate("no checkpointing", {"activation_checkpointing_policy": None}, Plan.uniform(n, "none"))
-        full = Candidate(f"checkpoint every {ctx.layer_class.__name__}",
-                         {"activation_checkpointing_policy": [ctx.layer_path]}, Plan.uniform(n, "full"))  # fmt: skip
+        full = Candidate(
+            f"checkpoint every {ctx.layer_class.__name__}",
+            {"activation_checkpointing_policy": [ctx.layer_path]},
+            Plan.uniform(n, "full"),
+        )
         return [none, full] if uniform(ctx.plan) == "none" else [full, none]
 
     def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "no activation_checkpointing_policy: every activation kept"
         if e.treatment == "full" and e.group == 1:
-            return EXACT, (f"every {ctx.layer_class.__name__} wrapped in torch's checkpoint_wrapper (non-reentrant, "
-                           "RNG state preserved), as ours")  # fmt: skip
+            return EXACT, (
+                f"every {ctx.layer_class.__name__} wrapped in torch's checkpoint_wrapper (non-reentrant, "
+                "RNG state preserved), as ours"
+            )
         return None
 
     def why_not(self, e: Element, ctx: Context, version: Version) -> str:
@@ -55,15 +60,20 @@ class Lightning(Target):
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("your LightningModule's own loss: cross-entropy on the whole logits")
-        return LossMap.standard_only("the loss head is your LightningModule's code, not a strategy setting (this "
-                                     "project's trainer.loss.head_loss computes a chunked or fused head)")  # fmt: skip
+        return LossMap.standard_only(
+            "the loss head is your LightningModule's code, not a strategy setting (this "
+            "project's trainer.loss.head_loss computes a chunked or fused head)"
+        )
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         lines = ["from lightning.pytorch.strategies import FSDPStrategy"]
         if chosen.settings["activation_checkpointing_policy"]:
             cls = ctx.layer_class
-            lines += [f"from {cls.__module__} import {cls.__qualname__}", "",
-                      f"strategy = FSDPStrategy(activation_checkpointing_policy={{{cls.__qualname__}}})"]  # fmt: skip
+            lines += [
+                f"from {cls.__module__} import {cls.__qualname__}",
+                "",
+                f"strategy = FSDPStrategy(activation_checkpointing_policy={{{cls.__qualname__}}})",
+            ]
         else:
             lines += ["", "strategy = FSDPStrategy()"]
         return "\n".join(lines)

@@ -29,8 +29,13 @@ from trainer.export.spec import (
 )
 from trainer.policies import Plan
 
-FLAG_ORDER = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-              "cpu_offloading_num_layers")  # fmt: skip
+FLAG_ORDER = (
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
+    "cpu_offloading_num_layers",
+)
 
 
 def flags(settings: dict[str, Any]) -> str:
@@ -63,12 +68,17 @@ class Megatron(Target):
         if first is not None:
             out.append(self._block(n, first))
         if offloaded is not None and n > 1:
-            out.append(Candidate(f"offload the first {offloaded} layers",
-                                 {"cpu_offloading": True, "cpu_offloading_num_layers": offloaded},
-                                 Plan.per_block(["offload"] * offloaded + ["none"] * (n - offloaded))))  # fmt: skip
+            out.append(
+                Candidate(
+                    f"offload the first {offloaded} layers",
+                    {"cpu_offloading": True, "cpu_offloading_num_layers": offloaded},
+                    Plan.per_block(["offload"] * offloaded + ["none"] * (n - offloaded)),
+                )
+            )
         if {"op_sac", "selective"} & set(plan.treatments):
-            out.append(Candidate("selective (core_attn)", {"recompute_granularity": "selective"},
-                                 Plan.uniform(n, "selective")))  # fmt: skip
+            out.append(
+                Candidate("selective (core_attn)", {"recompute_granularity": "selective"}, Plan.uniform(n, "selective"))
+            )
         out.append(self._uniform(n, 1))
         busy = [i for i, t in enumerate(per_block(plan) or ()) if t != "none"]
         if busy and busy[-1] + 1 < n:
@@ -92,15 +102,23 @@ class Megatron(Target):
         if e.treatment == "full" and e.group > 1:
             rest = n % e.group
             last = f"{rest} layer" if rest == 1 else f"{rest} layers"
-            tail = (f"; the last group has {last}, as ours (megatron-core 0.19.2 shortens it; 0.16.1's loop has no "
-                    f"such clamp and indexes past the last layer: there give a policy.k dividing {n})"
-                    if rest else "")  # fmt: skip
+            tail = (
+                f"; the last group has {last}, as ours (megatron-core 0.19.2 shortens it; 0.16.1's loop has no "
+                f"such clamp and indexes past the last layer: there give a policy.k dividing {n})"
+                if rest
+                else ""
+            )
             return EXACT, f"--recompute-method uniform: one checkpoint per group of {e.group} layers{tail}"
         if e.treatment == "full":
-            method = ("--recompute-method block: the first N layers of each pipeline stage (one stage here)"
-                      if first_n(ctx.plan) else "--recompute-method uniform with groups of 1: every layer")  # fmt: skip
-            return EXACT, (f"each layer one checkpoint of its input ({method}); tensor_parallel.checkpoint, whose RNG "
-                           "tracker replays dropout as ours")  # fmt: skip
+            method = (
+                "--recompute-method block: the first N layers of each pipeline stage (one stage here)"
+                if first_n(ctx.plan)
+                else "--recompute-method uniform with groups of 1: every layer"
+            )
+            return EXACT, (
+                f"each layer one checkpoint of its input ({method}); tensor_parallel.checkpoint, whose RNG "
+                "tracker replays dropout as ours"
+            )
         if e.treatment == "selective":
             return (
                 EXACT,
@@ -115,19 +133,25 @@ class Megatron(Target):
 
     def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
         if e.treatment == "op_sac" and theirs == "selective":
-            return ("Megatron has no per-op policy: --recompute-modules names modules (core_attn, layernorm, mlp, "
-                    "moe_act, …); core_attn recomputes the attention core only, where ours also recomputes every "
-                    "pointwise op and keeps only the matmuls' outputs")  # fmt: skip
+            return (
+                "Megatron has no per-op policy: --recompute-modules names modules (core_attn, layernorm, mlp, "
+                "moe_act, …); core_attn recomputes the attention core only, where ours also recomputes every "
+                "pointwise op and keeps only the matmuls' outputs"
+            )
         return None
 
     def why_not(self, e: Element, ctx: Context, version: Version) -> str:
         if e.treatment == "op_sac":
             return "Megatron has no per-op recompute policy"
         if e.treatment == "offload":
-            return (f"megatron-core offloads at most num_layers - 1 = {ctx.n_layer - 1} layers (the first ones) and "
-                    "never together with recompute")  # fmt: skip
-        return ("Megatron picks the recomputed layers by --recompute-method only (the first N, or groups of N, of "
-                "each pipeline stage) and one granularity for all of them, not an arbitrary mix")  # fmt: skip
+            return (
+                f"megatron-core offloads at most num_layers - 1 = {ctx.n_layer - 1} layers (the first ones) and "
+                "never together with recompute"
+            )
+        return (
+            "Megatron picks the recomputed layers by --recompute-method only (the first N, or groups of N, of "
+            "each pipeline stage) and one granularity for all of them, not an arbitrary mix"
+        )
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
         if ctx.loss.name == "standard":

@@ -82,12 +82,19 @@ def main_save_ops() -> set[Any]:
 
 def toml_save_ops() -> set[Any]:
     """torchtitan 0.2.2's llama3 `_op_sac_save_list`."""
-    return _ops("aten.mm.default", "aten._scaled_dot_product_efficient_attention.default",
-                "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
-                "aten._scaled_dot_product_attention_math.default",
-                "aten._scaled_dot_product_fused_attention_overrideable.default",
-                "_c10d_functional.reduce_scatter_tensor.default", "aten.max.default", "hop.flex_attention",
-                "torch_attn._varlen_attn.default", "hop.inductor_compiled_code")  # fmt: skip
+    return _ops(
+        "aten.mm.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten._scaled_dot_product_fused_attention_overrideable.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "aten.max.default",
+        "hop.flex_attention",
+        "torch_attn._varlen_attn.default",
+        "hop.inductor_compiled_code",
+    )
 
 
 class TorchtitanSAC(Policy):
@@ -170,16 +177,23 @@ class Torchtitan(Target):
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
             nth = every_nth(ctx.plan, from_one) if version.key == TOML.key else None
-            how = (f'selective_ac_option = "{nth}": every {ordinal(nth)} block (counted from 1, by a process-wide '
-                   "counter) wrapped whole" if nth else "each block wrapped whole")  # fmt: skip
+            how = (
+                f'selective_ac_option = "{nth}": every {ordinal(nth)} block (counted from 1, by a process-wide '
+                "counter) wrapped whole"
+                if nth
+                else "each block wrapped whole"
+            )
             return EXACT, f"{how} (checkpoint_wrapper, RNG state preserved as ours: preserve_rng_state)"
         return None
 
     def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
         if theirs not in SAC.values() or e.group > 1:
             return None
-        own = ("the compute-intensive ops (mm, addmm, bmm, SDPA, …) and linear" if version.key == MAIN.key
-               else "mm and the SDPA kernels")  # fmt: skip
+        own = (
+            "the compute-intensive ops (mm, addmm, bmm, SDPA, …) and linear"
+            if version.key == MAIN.key
+            else "mm and the SDPA kernels"
+        )
         if e.treatment == "op_sac":
             ours = ", ".join(getattr(ctx.treatment("op_sac").cfg, "save_ops", []))
             return (
@@ -199,8 +213,10 @@ class Torchtitan(Target):
         if e.treatment == "offload":
             return "torchtitan has no activation offload"
         if version.key == MAIN.key:
-            return ("torchtitan main runs one mode on every block (activation-checkpoint:none|full|selective|"
-                    "memory-budget); choosing blocks went with ≤0.2's selective_ac_option")  # fmt: skip
+            return (
+                "torchtitan main runs one mode on every block (activation-checkpoint:none|full|selective|"
+                "memory-budget); choosing blocks went with ≤0.2's selective_ac_option"
+            )
         return 'torchtitan ≤0.2 checkpoints every block, none, or every n-th (selective_ac_option = "<n>")'
 
     def loss(self, ctx: Context, version: Version) -> LossMap:
@@ -211,9 +227,11 @@ class Torchtitan(Target):
         seq = ctx.config.seq_len  # it chunks the sequence: the first divisor of it making chunks no larger than ours
         chunks = next((d for d in range(ctx.loss_chunks, seq + 1) if seq % d == 0), seq)
         code = f"loss=ChunkedLossWrapper.Config(num_chunks={chunks}, loss_fn=CrossEntropyLoss.Config()),"
-        why = ("ChunkedLossWrapper (in a config_registry function; it has no command-line form): lm_head and the "
-               f"loss per chunk of the sequence ({chunks} chunks of {seq // chunks} positions × the batch), each "
-               "chunk's backward run inside the forward")  # fmt: skip
+        why = (
+            "ChunkedLossWrapper (in a config_registry function; it has no command-line form): lm_head and the "
+            f"loss per chunk of the sequence ({chunks} chunks of {seq // chunks} positions × the batch), each "
+            "chunk's backward run inside the forward"
+        )
         extra = (
             ", so nothing is recomputed (ours recomputes each chunk's logits: one head forward more)"
             if ctx.loss.name == "chunked"

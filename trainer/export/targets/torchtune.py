@@ -48,8 +48,9 @@ class Torchtune(Target):
         n, plan = ctx.n_layer, ctx.plan
         only = uniform(plan)
         off = {"enable_activation_checkpointing": False}
-        full = Candidate("enable_activation_checkpointing", {"enable_activation_checkpointing": True},
-                         Plan.uniform(n, "full"))  # fmt: skip
+        full = Candidate(
+            "enable_activation_checkpointing", {"enable_activation_checkpointing": True}, Plan.uniform(n, "full")
+        )
         out: list[Candidate] = []
         if only == "none":
             out.append(Candidate("no checkpointing", off, plan))
@@ -86,9 +87,11 @@ class Torchtune(Target):
                 )
             return EXACT, f"{how} (no dropout, so its preserve_rng_state=False changes nothing)"
         if e.treatment == "offload" and e.group == 1:
-            return offload_by_checkpoint("enable_activation_offloading needs enable_activation_checkpointing (and "
-                                         "CUDA): each layer is checkpointed and what the checkpoint keeps (its "
-                                         "input) goes to the host")  # fmt: skip
+            return offload_by_checkpoint(
+                "enable_activation_offloading needs enable_activation_checkpointing (and "
+                "CUDA): each layer is checkpointed and what the checkpoint keeps (its "
+                "input) goes to the host"
+            )
         return None
 
     def why_not(self, e: Element, ctx: Context, version: Version) -> str:
@@ -104,10 +107,16 @@ class Torchtune(Target):
             return LossMap.standard("torch's CrossEntropyLoss on the whole logits", s)
         chunks = ctx.loss_chunks
         s = {"loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss", "num_output_chunks": chunks}}
-        return LossMap(APPROX, (f"CEWithChunkedOutputLoss ({chunks} chunks): the output layer still makes every "
-                                "chunk's logits in the forward and keeps them; only the fp32 upcast and the "
-                                "cross-entropy go chunk by chunk. Measured here as loss=standard"),
-                       s, "standard")  # fmt: skip
+        return LossMap(
+            APPROX,
+            (
+                f"CEWithChunkedOutputLoss ({chunks} chunks): the output layer still makes every "
+                "chunk's logits in the forward and keeps them; only the fp32 upcast and the "
+                "cross-entropy go chunk by chunk. Measured here as loss=standard"
+            ),
+            s,
+            "standard",
+        )
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
         lines = [f"{k}: {_yaml(v)}" for k, v in chosen.settings.items()]

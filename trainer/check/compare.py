@@ -6,7 +6,7 @@
 
 The same overrides as train.py compose the same config. Two modules are built from the same seed (the same
 weights), one under `none` and one under the configured policy (`auto` plans first, as at fit start), and both run
-`--steps` optimizer steps (`trainer.step.bare_step`, as Lightning runs a step) on the same real micro-batches from
+`--steps` optimizer steps (`trainer.core.step.bare_step`, as Lightning runs a step) on the same real micro-batches from
 the configured data, with the RNG reset to the same state before each step, so dropout draws the same masks. After
 each step's backward, every parameter's gradient is compared, and each step's loss.
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from trainer import precision as precision_
-from trainer import step as step_
-from trainer.schema import ConfigError, OneLineParser
-from trainer.text import markdown_table
+from trainer.core import step as step_
+from trainer.core.schema import ConfigError, OneLineParser
+from trainer.formatting import markdown_table
 
 
 @dataclass
@@ -103,7 +103,7 @@ def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any)
 def _plan_first(config: Any, policy: Any, ref: Any, mod: Any, batch: Any, precision: str) -> None:
     """A policy planned before it runs: plan it on the first batch as the run does at fit start, install the plan,
     and train both sides with the plan's loss head."""
-    from trainer.estimate.plan import plan_module
+    from trainer.estimate.config_plan import plan_module
     from trainer.policies import apply_policy
 
     result = plan_module(config, mod, policy, batch, precision)
@@ -113,8 +113,14 @@ def _plan_first(config: Any, policy: Any, ref: Any, mod: Any, batch: Any, precis
         mod.loss_config = ref.loss_config = replace(mod.loss_config, name=result.loss)
 
 
-def compare_step(out: CheckResult, s: int, names: list[str], grads: dict[int, list[torch.Tensor]],
-             losses: tuple[float, float], tolerance: float) -> None:  # fmt: skip
+def compare_step(
+    out: CheckResult,
+    s: int,
+    names: list[str],
+    grads: dict[int, list[torch.Tensor]],
+    losses: tuple[float, float],
+    tolerance: float,
+) -> None:
     """Step `s`'s gradients and losses, the policy's against none's, into `out` (the first failure kept)."""
     out.losses.append(losses)
     for name, g_ref, g in zip(names, grads[0], grads[1], strict=True):
@@ -135,8 +141,8 @@ def compare_step(out: CheckResult, s: int, names: list[str], grads: dict[int, li
 
 def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> CheckResult:
     """Compare `steps` steps of config.policy with `none` from the same weights and batches (see the module doc)."""
-    from trainer import build
-    from trainer.module import DecoderModule
+    from trainer.core import build
+    from trainer.core.module import DecoderModule
     from trainer.policies import build_policy
 
     device = torch.device(build.train_device(config))
@@ -176,8 +182,10 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     out = CheckResult(policy.cfg.name, mod.model.activation_plan.describe(), steps, tolerance, tolerance == 0.0)
     out.own_loss = own_loss(ref, batches[0], plugin)
     if out.own_loss is not None and abs(out.own_loss[0] - out.own_loss[1]) > OWN_LOSS_TOLERANCE * abs(out.own_loss[1]):
-        out.first_failure = (f"the project's loss {out.own_loss[0]!r} is not the model's own forward's "
-                             f"{out.own_loss[1]!r} (labels=, dropout off)")  # fmt: skip
+        out.first_failure = (
+            f"the project's loss {out.own_loss[0]!r} is not the model's own forward's "
+            f"{out.own_loss[1]!r} (labels=, dropout off)"
+        )
     names = [n for n, p in mod.model.named_parameters() if p.requires_grad]
     parts = {m: step_.optimizers_of(m) for m in (ref, mod)}
     rng = torch.Generator().manual_seed(config.seed)
@@ -226,8 +234,10 @@ def render(result: CheckResult) -> str:
     lines.append("")
     if result.own_loss is not None:
         ours, theirs = result.own_loss
-        lines.append(f"the training loss vs the model's own forward (labels=, dropout off): {ours:.6f} vs {theirs:.6f}"
-                     f" ({abs(ours - theirs) / max(abs(theirs), 1e-12):.2g} relative)")  # fmt: skip
+        lines.append(
+            f"the training loss vs the model's own forward (labels=, dropout off): {ours:.6f} vs {theirs:.6f}"
+            f" ({abs(ours - theirs) / max(abs(theirs), 1e-12):.2g} relative)"
+        )
     if result.equal:
         lines.append(f"equal: every loss and gradient under {result.policy} matches none ({how})")
     else:
@@ -251,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tolerance is not None and (args.tolerance < 0 or math.isnan(args.tolerance)):
         parser.error(f"--tolerance {args.tolerance} must be ≥ 0")
 
-    from trainer.schema import compose_config, user_error_status
+    from trainer.core.schema import compose_config, user_error_status
 
     try:
         config = compose_config(args.overrides)
@@ -263,7 +273,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: policy={result.policy} differs from none: {result.first_failure}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.memory import LiveTensorTracker
+from trainer.measure.memory import LiveTensorTracker
 
 # Labels of what the tracker holds at a moment (StepMeter with regions on): the training state...
 PARAMETERS, LAST_GRADIENTS, OPTIMIZER_STATE, GRADIENTS = "parameters", "last_gradients", "optimizer_state", "gradients"

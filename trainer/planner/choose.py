@@ -15,12 +15,12 @@ from torch import nn
 
 from models.adapter import adapter_for
 from trainer.errors import PolicyError
+from trainer.formatting import MIB
+from trainer.measure.steptime import Speed
 from trainer.planner.explain import PlanResult, refusal
 from trainer.planner.peak import PeakModel, Profile
 from trainer.planner.profiler import profile
 from trainer.policies import Policy, build_policy
-from trainer.steptime import Speed
-from trainer.text import MIB
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFns = Mapping[str, Callable[[Batch], torch.Tensor]]
@@ -145,8 +145,9 @@ def solve_profile(
     if sol is None:
         return None
     uniform = {t: model.evaluate([t] * prof.n_layer) for t in prof.treatments}
-    return PlanResult(prof, budget, budget_text, sol, uniform, prof.micro_batch, prof.accum, *configured,
-                      notes=list(notes))  # fmt: skip
+    return PlanResult(
+        prof, budget, budget_text, sol, uniform, prof.micro_batch, prof.accum, *configured, notes=list(notes)
+    )
 
 
 def frugal_result(prof: Profile, budget: int, budget_text: str, configured: tuple[int, int]) -> PlanResult:

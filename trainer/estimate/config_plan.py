@@ -9,22 +9,22 @@ from typing import Any
 
 import torch
 
-from trainer import build
 from trainer import precision as precision_
+from trainer.core import build
+from trainer.core.module import DecoderModule, param_groups
+from trainer.core.schema import Config
 from trainer.errors import PolicyError
 from trainer.estimate.session import open_session
-from trainer.module import DecoderModule, param_groups
+from trainer.measure.steptime import Speed
 from trainer.planner import PlanResult, default_optimizer, head_candidates, plan_model
 from trainer.policies import Plan, Policy, build_policy
-from trainer.schema import Config
-from trainer.steptime import Speed
 
 
 def plan_module(
     config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str, speed: Speed | None = None
 ) -> PlanResult:
     """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping; on
-    fake tensors its times are predicted for `speed` (default: trainer.steptime.speed_for the device)."""
+    fake tensors its times are predicted for `speed` (default: trainer.measure.steptime.speed_for the device)."""
     policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
         module.model,
@@ -46,7 +46,7 @@ def plan_result_for_config(
     """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
     configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (the estimator's
     session), so a model of any size is planned without its memory: bytes are as measured, times are predicted
-    for `speed` (trainer.steptime)."""
+    for `speed` (trainer.measure.steptime)."""
     policy = build_policy(config.policy)
     if not policy.planned_first:
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
@@ -66,8 +66,10 @@ def plan_result_for_config(
         vocab = module.adapter.head.weight.shape[0]
         g = torch.Generator().manual_seed(config.seed)
         shape = (config.batch_size, config.seq_len)
-        batch = (torch.randint(0, vocab, shape, generator=g).to(device),
-                 torch.randint(0, vocab, shape, generator=g).to(device))  # fmt: skip
+        batch = (
+            torch.randint(0, vocab, shape, generator=g).to(device),
+            torch.randint(0, vocab, shape, generator=g).to(device),
+        )
     finally:
         torch.set_rng_state(cpu)
     return plan_module(config, module, policy, batch, chosen)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from models import hub
+from trainer.core.schema import DataConfig
 from trainer.errors import DataError
-from trainer.schema import DataConfig
-from trainer.text import one_line
+from trainer.formatting import one_line
 
-log = logging.getLogger("trainer.data")  # the data module's: one logger for everything about the corpus
+log = logging.getLogger("trainer.core.data")  # the data module's: one logger for everything about the corpus
 
 # Bytes inspected for NUL when deciding whether a file is binary (same heuristic as git and grep).
 BINARY_SNIFF_BYTES = 8192

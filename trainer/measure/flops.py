@@ -90,7 +90,7 @@ _register_grouped_mm_formula()
 
 
 # SAC decisions made so far in this process: torch's SAC mode runs above any counting mode on the mode stack and leaves
-# no mark on the ops it passes down, so op_sac's policy function counts itself (trainer.steptime costs each).
+# no mark on the ops it passes down, so op_sac's policy function counts itself (trainer.measure.steptime costs each).
 SAC_DECISIONS = {"count": 0}
 
 

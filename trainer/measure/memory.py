@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from trainer.text import MIB
+from trainer.formatting import MIB
 
 FORWARD = "forward"
 BACKWARD = "backward"

@@ -35,14 +35,16 @@ from callbacks.progress import StepProgressBar
 from callbacks.snapshot import MemorySnapshot
 from callbacks.sweep_progress import sweep_progress
 from callbacks.tb_logger import JobTensorBoardLogger, micro, write_tb_layout
-from trainer import build, metrics, precision
-from trainer.data import TextDataModule
+from trainer import precision
+from trainer.core import build
+from trainer.core.data import TextDataModule
+from trainer.core.module import DecoderModule
+from trainer.core.rundir import discard_run_dir, write_json_atomic
+from trainer.core.schema import Config, ConfigError, TrainerConfig, validate
 from trainer.errors import RunFailed, UserError
-from trainer.module import DecoderModule
+from trainer.formatting import MIB, one_line
+from trainer.measure import metrics
 from trainer.policies import build_policy, policy_params
-from trainer.rundir import discard_run_dir, write_json_atomic
-from trainer.schema import Config, ConfigError, TrainerConfig, validate
-from trainer.text import MIB, one_line
 
 log = logging.getLogger(__name__)
 # Lightning gives its logger a console handler of its own; under Hydra the root logger already prints and

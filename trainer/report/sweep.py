@@ -32,11 +32,11 @@ from typing import Any
 
 import yaml
 
-from trainer import metrics as M
+from trainer.formatting import markdown_table as _table
 from trainer.loss import LOSSES
-from trainer.plots import plot_losses, plot_pareto
+from trainer.measure import metrics as M
 from trainer.policies import POLICIES
-from trainer.text import markdown_table as _table
+from trainer.report.plots import plot_losses, plot_pareto
 
 STATUS_ORDER = ("completed", "oom", "error", "interrupted", "missing")
 
@@ -500,7 +500,7 @@ def build_report(folder: Path, budget: float | None = None, metric: str = "auto"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.schema import OneLineParser
+    from trainer.core.schema import OneLineParser
 
     p = OneLineParser(
         prog="python -m trainer.report",
@@ -533,7 +533,3 @@ def main(argv: list[str] | None = None) -> int:
         print(report.budget.replace("**", ""))
     print(f"wrote {', '.join(str(p) for p in report.paths.values())}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

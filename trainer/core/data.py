@@ -1,4 +1,4 @@
-"""Text for the decoder: a corpus (trainer/corpus.py) split, tokenized once, cached, served as fixed-size blocks.
+"""Text for the decoder: a corpus (trainer/core/corpus.py) split, tokenized once, cached, served as fixed-size blocks.
 
 Sources
 -------
@@ -35,15 +35,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.corpus import (
+from trainer.core.corpus import (
     embedded_docs,
     hub_docs,
     local_docs,
     resolve_local_files,
     split_documents,
 )
+from trainer.core.schema import DataConfig  # the `data` node of the config schema
 from trainer.errors import DataError
-from trainer.schema import DataConfig  # the `data` node of the config schema
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,10 @@ def check_config(cfg: DataConfig, seq_len: int, batch_size: int, tokenizer_from:
     reads no data) applies too. `tokenizer_from`: the model data.tokenizer=model takes its tokenizer from."""
     _validate(cfg, seq_len, batch_size)
     if cfg.tokenizer == "model" and not tokenizer_from:
-        raise DataError("data.tokenizer=model uses a Hugging Face model's tokenizer: it needs model=hf "
-                        "model.name_or_path=...; use data.tokenizer=byte or bpe for this model")  # fmt: skip
+        raise DataError(
+            "data.tokenizer=model uses a Hugging Face model's tokenizer: it needs model=hf "
+            "model.name_or_path=...; use data.tokenizer=byte or bpe for this model"
+        )
 
 
 def default_cache_dir() -> Path:

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from trainer.data import TextDataModule
+from trainer.core.data import TextDataModule
+from trainer.core.module import DecoderModule
+from trainer.core.schema import Config, model_vocab, vocab_for
 from trainer.errors import ConfigError
 from trainer.loss import LossConfig
-from trainer.module import DecoderModule
 from trainer.policies import Policy, build_policy, needs_attention_seam, no_seam_refusal
-from trainer.schema import Config, model_vocab, vocab_for
 
 
 def train_device(config: Config) -> str:

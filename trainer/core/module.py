@@ -14,10 +14,10 @@ from torch import nn
 
 from models import build_model
 from models.adapter import DecoderAdapter, adapter_for
-from trainer import metrics as M
+from trainer.core.schema import ConfigError, ModelConfig, OptimConfig
 from trainer.loss import LossConfig, head_loss
+from trainer.measure import metrics as M
 from trainer.policies import Policy, apply_policy, build_policy
-from trainer.schema import ConfigError, ModelConfig, OptimConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -11,7 +11,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.config_store import ConfigStore
@@ -19,11 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from models import FAMILIES
+from trainer import CONF
 from trainer.errors import ConfigError, UserError
 from trainer.loss import LossConfig
 from trainer.precision import PRECISIONS
-
-CONF = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config tree train.py composes
 
 
 @dataclass
@@ -258,8 +256,10 @@ def describe_user_error(e: BaseException) -> str | None:
 
             moved = moved_parameter(key.removeprefix("policy.")) if key.startswith("policy.") else None
             if moved:  # per_block's and auto's treatment parameters sit under policy.params
-                return (f"unknown config key {key!r} for this policy: it is a treatment's own parameter, which "
-                        f"per_block and auto take as {moved}")  # fmt: skip
+                return (
+                    f"unknown config key {key!r} for this policy: it is a treatment's own parameter, which "
+                    f"per_block and auto take as {moved}"
+                )
             return f"unknown config key {key!r}; see the valid keys with: python train.py --cfg job"
         if cause is not None:
             return f"{head}: {str(cause).splitlines()[0]}"

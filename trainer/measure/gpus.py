@@ -15,8 +15,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from trainer import CONF
 from trainer.errors import ConfigError
-from trainer.schema import CONF
 
 CATALOGUE = CONF / "gpu"
 DEFAULT_RESERVE = "1GiB+5%"

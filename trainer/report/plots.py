@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer import metrics as M
+from trainer.measure import metrics as M
 from trainer.policies import POLICIES
 
 
@@ -47,8 +47,14 @@ def point_positions(jobs: list[Any], metric: str) -> tuple[dict[int, tuple[float
     return where, edge, at_edge > 0
 
 
-def _legend(jobs: list[Any], colors: dict[str | None, Any], markers: dict[Any, str], splits: list[Any],
-            done_ids: set[int], front: bool) -> list[Any]:  # fmt: skip
+def _legend(
+    jobs: list[Any],
+    colors: dict[str | None, Any],
+    markers: dict[Any, str],
+    splits: list[Any],
+    done_ids: set[int],
+    front: bool,
+) -> list[Any]:
     """The Pareto plot's legend: the policies and splits of the completed jobs drawn, the front, the failures."""
     from matplotlib.lines import Line2D
 
@@ -64,7 +70,7 @@ def _legend(jobs: list[Any], colors: dict[str | None, Any], markers: dict[Any, s
                 color="grey",
                 markeredgecolor="black",
                 label=f"micro-batch {s[0]} × accum {s[1]}",
-            )  # fmt: skip
+            )
             for s in splits
             if any(id(j) in done_ids and (j.batch_size, j.accum) == s for j in jobs)
         ]
@@ -104,8 +110,14 @@ def plot_pareto(jobs: list[Any], metric: str, metric_label: str, path: Path, tit
     for j in jobs:
         x, y = where[id(j)]
         if id(j) in done_ids:
-            style = dict(marker=markers[(j.batch_size, j.accum)], s=60, color=colors[j.policy], edgecolors="black",
-                         linewidths=0.6, zorder=3)  # fmt: skip
+            style = dict(
+                marker=markers[(j.batch_size, j.accum)],
+                s=60,
+                color=colors[j.policy],
+                edgecolors="black",
+                linewidths=0.6,
+                zorder=3,
+            )
         elif j.status == "oom":
             style = dict(marker="x", s=90, color="crimson", linewidths=2.4, zorder=4)
         else:
@@ -120,16 +132,33 @@ def plot_pareto(jobs: list[Any], metric: str, metric_label: str, path: Path, tit
             placed.append((px, py + dy))
             ax.annotate(j.label, (x, y), xytext=(5, dy), textcoords="offset points", fontsize=7)
         else:  # upright, so that failures side by side on the axis keep their labels apart
-            ax.annotate(f"{j.label} {j.status.upper()}", (x, y), xytext=(0, 8), textcoords="offset points",
-                        fontsize=7, rotation=90, ha="center", va="bottom")  # fmt: skip
+            ax.annotate(
+                f"{j.label} {j.status.upper()}",
+                (x, y),
+                xytext=(0, 8),
+                textcoords="offset points",
+                fontsize=7,
+                rotation=90,
+                ha="center",
+                va="bottom",
+            )
     front = pareto_front([where[id(j)] for j in done])
     if front:
         fx, fy = zip(*front, strict=True)
         ax.plot(fx, fy, drawstyle="steps-post", color="black", lw=1.2, alpha=0.6, zorder=2)
     if edge_used:
         ax.axvline(edge * 0.985, color="grey", ls=":", lw=1)
-        ax.annotate("no memory figure →", (edge, 1), xycoords=("data", "axes fraction"), xytext=(-3, -4),
-                    textcoords="offset points", ha="right", va="top", fontsize=7, color="grey")  # fmt: skip
+        ax.annotate(
+            "no memory figure →",
+            (edge, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, -4),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="grey",
+        )
 
     handles = _legend(jobs, colors, markers, splits, done_ids, bool(front))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)

@@ -7,7 +7,8 @@
     speed.predict(trace.work)       # -> StepTime: milliseconds, and where they go
 
 Every op torch dispatches is one of three kinds: `matmul` (it has a FLOP formula in torch's registry, the CPU SDPA
-kernels and the fused loss head included: trainer/flops.py), `memory` (it moves bytes: the bytes of every tensor it
+kernels and the fused loss head included: trainer/measure/flops.py), `memory` (it moves
+bytes: the bytes of every tensor it
 reads and writes, from the tensors' sizes, so fake tensors serve) and `free` (views, allocations and metadata, which
 move nothing). An op's time is the larger of its FLOPs at the device's matmul throughput and its bytes at the
 device's bandwidth, and each op launched pays a fixed cost (dispatch, autograd's bookkeeping); a SAC context pays a
@@ -17,7 +18,7 @@ go over the host link, on a stream of their own, hidden behind the step's comput
 without it they are exposed in full). Collectives (FSDP2's all-gathers and reduce-scatters) are not costed.
 
 Not FlopCounterMode for the trace: it sums FLOPs per module and has no bytes or per-op record (FlopTally's reasons
-apply too: trainer/flops.py).
+apply too: trainer/measure/flops.py).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ import torch
 from torch.utils import flop_counter as _fc
 
 from trainer.errors import ConfigError
-from trainer.flops import SAC_DECISIONS, FlopTally, count_sac_decision
-from trainer.gpus import Gpu, load_catalogue
-from trainer.text import flops_text
+from trainer.formatting import flops_text
+from trainer.measure.flops import SAC_DECISIONS, FlopTally, count_sac_decision
+from trainer.measure.gpus import Gpu, load_catalogue
 
 OpKey = tuple[str, str, int, int]  # (kind, dtype, FLOPs, bytes)
 
@@ -67,7 +68,7 @@ _FREE_OPS = frozenset(
         "resize_",
         "_unsafe_view",
         "copy_meta",
-    )  # fmt: skip
+    )
 )
 
 
@@ -103,10 +104,11 @@ _MATH_OPS = frozenset(
         "nll_loss_forward",
         "nll_loss_backward",
         "linalg_vector_norm",
-    )  # fmt: skip
+    )
 )
-_RANDOM_OPS = frozenset(("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like",
-                         "uniform_", "normal_"))  # fmt: skip
+_RANDOM_OPS = frozenset(
+    ("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "uniform_", "normal_")
+)
 KINDS = ("matmul", "memory", "math", "random", "free")
 
 
@@ -159,9 +161,13 @@ class Work:
         return sum(k[3] * n for k, n in self.ops.items())
 
     def to_json(self) -> dict[str, Any]:
-        return {"ops": {k: self.count(k) for k in KINDS}, "flops": self.flops,
-                "bytes": self.bytes_moved, "sac_decisions": self.sac_decisions,
-                "host_copy_bytes": self.host_copy_bytes}  # fmt: skip
+        return {
+            "ops": {k: self.count(k) for k in KINDS},
+            "flops": self.flops,
+            "bytes": self.bytes_moved,
+            "sac_decisions": self.sac_decisions,
+            "host_copy_bytes": self.host_copy_bytes,
+        }
 
 
 class OpTrace(FlopTally):
@@ -273,8 +279,9 @@ class Speed:
         copy = work.host_copy_bytes / self.host_link if work.host_copy_bytes and self.host_link else 0.0
         compute = max(mm + mem, host) if self.overlapped else mm + mem + host
         exposed = max(0.0, copy - compute) if work.prefetch else copy
-        return StepTime((compute + exposed) * 1e3, mm * 1e3, mem * 1e3, host * 1e3, copy * 1e3, exposed * 1e3,
-                        self.name)  # fmt: skip
+        return StepTime(
+            (compute + exposed) * 1e3, mm * 1e3, mem * 1e3, host * 1e3, copy * 1e3, exposed * 1e3, self.name
+        )
 
     def describe(self) -> str:
         return f"{self.name}: " + "; ".join(self.assumptions)
@@ -517,12 +524,16 @@ def calibrate_cpu() -> dict[str, Any]:
     all, so a shared machine's passing load does not set one figure alone."""
     rounds = [_calibration_round() for _ in range(CALIBRATION_ROUNDS)]
     first = rounds[0]
-    return {"version": CALIBRATION_VERSION, "name": f"CPU {cpu_name()}", "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "rounds": len(rounds),
-            **{k: statistics.median(r[k] for r in rounds) for k in ("op_s", "free_s", "sac_s")},
-            "matmul": {k: _median_curves([r["matmul"][k] for r in rounds]) for k in first["matmul"]},
-            "bandwidth": {k: _median_curves([r["bandwidth"][k] for r in rounds])
-                          for k in first["bandwidth"]}}  # fmt: skip
+    return {
+        "version": CALIBRATION_VERSION,
+        "name": f"CPU {cpu_name()}",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rounds": len(rounds),
+        **{k: statistics.median(r[k] for r in rounds) for k in ("op_s", "free_s", "sac_s")},
+        "matmul": {k: _median_curves([r["matmul"][k] for r in rounds]) for k in first["matmul"]},
+        "bandwidth": {k: _median_curves([r["bandwidth"][k] for r in rounds]) for k in first["bandwidth"]},
+    }
 
 
 def cpu_key() -> str:

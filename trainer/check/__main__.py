@@ -1,0 +1,5 @@
+import sys
+
+from trainer.check.compare import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.report.sweep import main
+
+sys.exit(main())
