@@ -131,3 +131,15 @@ def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:
         policy = build_policy({"name": name})
         work = _trace(lambda policy=policy: policy.run(block, x, 0).sum().backward())
         assert (work.sac_decisions > 0) is expect_sac, name
+
+
+def test_sac_decisions_survive_a_reload_of_the_flops_module() -> None:
+    """tests/test_flops.py reloads trainer.measure.flops (its registration must be idempotent). When the counter was
+    a dict imported by value, a reload earlier in the same worker left the step-time model reading a stale one: no
+    decision counted, and the op_sac test above failed or passed by which tests shared a worker."""
+    import importlib
+
+    import trainer.measure.flops
+
+    importlib.reload(trainer.measure.flops)
+    test_op_sac_decisions_are_counted_and_full_makes_none()

@@ -91,11 +91,19 @@ _register_grouped_mm_formula()
 
 # SAC decisions made so far in this process: torch's SAC mode runs above any counting mode on the mode stack and leaves
 # no mark on the ops it passes down, so op_sac's policy function counts itself (trainer.measure.steptime costs each).
-SAC_DECISIONS = {"count": 0}
+# Read only through `sac_decisions()`: a name imported by value would go stale when this module is reloaded (it
+# rebinds the counter), and the count would then stay 0 for its readers.
+_sac_decisions = 0
 
 
 def count_sac_decision() -> None:
-    SAC_DECISIONS["count"] += 1
+    global _sac_decisions
+    _sac_decisions += 1
+
+
+def sac_decisions() -> int:
+    """SAC decisions counted so far in this process."""
+    return _sac_decisions
 
 
 def flop_counter() -> _fc.FlopCounterMode:

@@ -42,7 +42,7 @@ from torch.utils import flop_counter as _fc
 
 from trainer.errors import ConfigError
 from trainer.formatting import flops_text
-from trainer.measure.flops import SAC_DECISIONS, FlopTally, count_sac_decision
+from trainer.measure.flops import FlopTally, count_sac_decision, sac_decisions
 from trainer.measure.gpus import Gpu, load_catalogue
 
 OpKey = tuple[str, str, int, int]  # (kind, dtype, FLOPs, bytes)
@@ -179,11 +179,11 @@ class OpTrace(FlopTally):
         self._sac0 = 0
 
     def __enter__(self) -> OpTrace:
-        self._sac0 = SAC_DECISIONS["count"]
+        self._sac0 = sac_decisions()
         return super().__enter__()  # type: ignore[return-value]
 
     def __exit__(self, *exc: Any) -> None:
-        self.work.sac_decisions += SAC_DECISIONS["count"] - self._sac0
+        self.work.sac_decisions += sac_decisions() - self._sac0
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
