@@ -539,7 +539,7 @@ def _models(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every model, as for train.py")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)")
     ap.add_argument("--model", type=_models, help="one conf/model option (default: tiny)")
     ap.add_argument("--models", type=_models, help="several, comma-separated: tiny,llama-tiny")
     ap.add_argument("--rounds", type=int, help="timed interleaved rounds (default: 6 on CPU, 10 on CUDA)")

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.policy_table", description=(__doc__ or "").splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (default: the conf defaults)")
     ap.add_argument("--model", help="a conf/model option (model=…)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on shared cores)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
     ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")

@@ -325,7 +325,8 @@ def test_cli_gpu_names_the_device_and_refuses_a_wrong_one() -> None:
     r = _cli("model=micro", "seq_len=32", "--policies", "configured", "--gpu", "l4-24gb")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step time predicted (not measured) for L4-24GB" in r.stdout and "device=cuda" in r.stdout
-    for args in (["--gpu", "Z9000"], ["--gpu", "L4-24GB", "--device", "cpu"]):
+    # --no-time never looks the GPU up, and once accepted an unknown name without a word
+    for args in (["--gpu", "Z9000"], ["--gpu", "Z9000", "--no-time"], ["--gpu", "L4-24GB", "--device", "cpu"]):
         bad = _cli("model=micro", "seq_len=32", "--policies", "configured", *args)
         assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu "), bad.stderr
         assert bad.stderr.count("\n") == 1, bad.stderr

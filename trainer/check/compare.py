@@ -246,14 +246,22 @@ def render(result: CheckResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps to compare (default 2)")
+    parser = OneLineParser(prog="python -m trainer.check", description=__doc__)
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, the same as for train.py (model=llama-tiny policy=selective)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="optimizer steps to compare, each on its own real micro-batches (default 2)",
+    )
     parser.add_argument(
         "--tolerance",
         type=float,
         default=None,
-        help="relative tolerance; default 0 (bitwise) on CPU, 1e-5 on CUDA or with trainer.compile=true",
+        help="largest relative difference accepted per loss and gradient; default 0 (bitwise) on CPU, 1e-5 on CUDA "
+        "or with trainer.compile=true",
     )
     args = parser.parse_intermixed_args(argv)
     if args.steps < 1:

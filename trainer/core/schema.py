@@ -8,6 +8,7 @@ Lightning and datasets imports so a bad command line fails in a second.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -298,7 +299,18 @@ def model_vocab(config: Config) -> int | None:
 
 class OneLineParser(argparse.ArgumentParser):
     """The CLIs' argument parser: a bad argument is one `error:` line naming --help, exit 2, like every other
-    user error here (argparse's own prints its usage block first)."""
+    user error here (argparse's own prints its usage block first). The description keeps its line breaks (a tool's
+    usage examples read as written), and a help text may say `%` plainly: argparse formats help with `%`, so a lone
+    one (`1GiB+5%`) ended `--help` in a traceback."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if isinstance(kwargs.get("help"), str):
+            kwargs["help"] = re.sub(r"%(?!\()", "%%", kwargs["help"])  # `%(default)s` and kin stay argparse's
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)

@@ -19,7 +19,7 @@ from trainer.estimate.fit import FitTable, fit_table
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table
-from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, load_catalogue, parse_size
+from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
 from trainer.measure.steptime import (
     GPU_BANDWIDTH_EFFICIENCY,
     GPU_MATMUL_EFFICIENCY,
@@ -352,48 +352,84 @@ def to_json(
     }
 
 
+_DESCRIPTION = """\
+Peak memory, FLOPs and predicted step time of a training configuration under every activation policy and loss head,
+before any GPU hour: the real model and one real optimizer step, run on fake tensors (no data, no weights, no GPU
+needed, any model size). The figures are the ones a run of the same overrides logs (activation peak, whole-step peak).
+
+  python -m trainer.estimate model=llama3-8b seq_len=8192 --gpu H100-80GB
+  python -m trainer.estimate model=llama2-7b batch_size=8 seq_len=4096 --budget 80GB --advise
+  python -m trainer.estimate model=llama3-8b trainer=fsdp2 --fit --json est.json
+
+--device cuda estimates for a CUDA GPU even on a machine without one: the fake tensors are CUDA tensors (on a CPU-only
+machine, with CUDA's kernel choices applied by rule), and step times are predicted for --gpu (default {ref})."""
+
+
 def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="python -m trainer.estimate",
-        description="Memory and FLOPs of a training configuration under every activation policy and loss head, from "
-        "the real model on fake tensors: no data, no weights, no GPU.",
+    names = ", ".join(load_catalogue())
+    parser = OneLineParser(prog="python -m trainer.estimate", description=_DESCRIPTION.format(ref=REFERENCE_GPU))
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides, the same as for train.py (model=llama2-7b policy=full seq_len=4096)",
     )
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (model=llama2-7b policy=full)")
-    parser.add_argument("--budget", help="device memory to fit in: 40GB (10⁹ bytes), 40GiB, 40000MiB")
-    parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the estimate here as JSON")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if the run would use one, else cpu")
+    parser.add_argument(
+        "--budget", help="device memory the step must fit in: 40GB (10⁹ bytes), 40GiB (2³⁰ bytes), 40000MiB"
+    )
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure here as JSON")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="the device the estimate is for (default: cuda if the run would train on one, else cpu); "
+        "cuda needs no GPU here",
+    )
     parser.add_argument(
         "--autocast-cache",
         action="store_true",
-        help="model torch.autocast with its weight cache on (a bare loop's default); train.py runs it off",
+        help="model torch.autocast with its weight cache on (a bare training loop's default); train.py runs it off",
     )
     parser.add_argument(
         "--policies",
         default="all",
         choices=("all", "configured"),
-        help="'all' (default: every registered policy) or 'configured'",
+        help="estimate every registered policy (all, the default) or only the configured one (faster)",
     )
     parser.add_argument(
-        "--advise", action="store_true", help="with --budget: the changes that fit it, priced (shown anyway on a miss)"
+        "--advise",
+        action="store_true",
+        help="with --budget: the changes that would fit it (policy, loss head, micro-batch, GPUs), each priced "
+        "(shown anyway when the configuration does not fit)",
     )
     parser.add_argument(
-        "--fit", action="store_true", help="the smallest FSDP2 world size per catalogue GPU and policy (device cuda)"
+        "--fit",
+        action="store_true",
+        help="for each catalogue GPU and policy, the smallest FSDP2 world size whose per-GPU peak fits (implies cuda)",
     )
     parser.add_argument(
-        "--reserve", default=DEFAULT_RESERVE, help=f"--fit: memory a GPU keeps free (default {DEFAULT_RESERVE})"
+        "--reserve",
+        default=DEFAULT_RESERVE,
+        help="with --fit: the memory each GPU keeps free for the allocator and the CUDA context "
+        f"(default {DEFAULT_RESERVE})",
     )
     parser.add_argument(
-        "--catalogue", action="append", metavar="PATH", help="--fit: more GPUs: a yaml file or a folder of them"
+        "--catalogue",
+        action="append",
+        metavar="PATH",
+        help="more GPUs for --fit and --gpu: a yaml file or a folder of them, in conf/gpu/'s format (repeatable)",
     )
     parser.add_argument(
         "--gpu",
         metavar="NAME",
-        help="predict step times for this catalogue GPU (implies --device cuda; default with "
-        f"cuda: {REFERENCE_GPU}; on cpu: this CPU, calibrated)",
+        help=f"predict step times for this catalogue GPU (implies --device cuda; default with cuda: {REFERENCE_GPU}; "
+        f"on cpu: this CPU, calibrated once). One of: {names}",
     )
-    parser.add_argument("--no-time", action="store_true", help="leave the predicted step times out")
+    parser.add_argument("--no-time", action="store_true", help="leave the predicted step-time columns out")
     parser.add_argument(
-        "--max-world", type=int, default=64, metavar="N", help="the largest FSDP2 world size tried (default 64)"
+        "--max-world",
+        type=int,
+        default=64,
+        metavar="N",
+        help="the largest FSDP2 world size --fit and --advise try (default 64)",
     )
     return parser
 
@@ -447,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpus = list(load_catalogue(args.catalogue).values()) if args.fit else []
         if args.gpu and args.device == "cpu":
             raise ValueError(f"--gpu {args.gpu} predicts a GPU's step time: drop --device cpu (it implies cuda)")
+        if args.gpu:
+            find_gpu(args.gpu, args.catalogue)  # refused here even under --no-time, which would never look it up
         if args.json_path:
             check_writable("--json", Path(args.json_path))  # before the work, not after it
     except (ValueError, UserError) as e:

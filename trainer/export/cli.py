@@ -202,17 +202,27 @@ def to_json(answer: Answer) -> dict[str, Any]:
 
 
 def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="python -m trainer.export",
-        description="The configured activation policy and loss head as another trainer's own settings, with each "
-        "element's fidelity and, where it differs, the estimator's figures for ours and the closest it can write.",
+    import trainer.export as package
+
+    parser = OneLineParser(prog="python -m trainer.export", description=(package.__doc__ or "").split("\n\nInside:")[0])
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, the same as for train.py (policy=first_k policy.k=2)"
     )
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (policy=first_k policy.k=2)")
-    parser.add_argument("--to", required=True, metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
-    parser.add_argument("--target-version", metavar="V", help="one version of the target (default: its forms)")
-    parser.add_argument("--out", metavar="FILE", help="write the settings, in the target's form, here")
-    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the whole answer here as JSON")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if the run would use one, else cpu")
+    parser.add_argument("--to", required=True, metavar="TARGET", help=f"the trainer to write for: {', '.join(TARGETS)}")
+    parser.add_argument(
+        "--target-version",
+        metavar="V",
+        help="one release of the target to write for (default: every form the target has, each shown)",
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the settings, in the target's own form, to this file")
+    parser.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="write the whole answer (settings, fidelity, figures) as JSON"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="the device the figures are estimated for (default: cuda if the run would train on one, else cpu)",
+    )
     return parser
 
 

@@ -132,4 +132,13 @@ def load_catalogue(extra: list[str | Path] | None = None) -> dict[str, Gpu]:
     return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
 
 
-__all__ = ["CATALOGUE", "DEFAULT_RESERVE", "Gpu", "Reserve", "load_catalogue", "parse_size"]
+def find_gpu(name: str, catalogue: list[str] | None = None) -> Gpu:
+    """A catalogue GPU by name, any case; an unknown name is one line listing the names there are."""
+    gpus = load_catalogue(catalogue)
+    found = {k.lower(): v for k, v in gpus.items()}.get(name.lower())
+    if found is None:
+        raise ConfigError(f"--gpu {name}: not in the GPU catalogue; choose from {', '.join(gpus)} (conf/gpu/)")
+    return found
+
+
+__all__ = ["CATALOGUE", "DEFAULT_RESERVE", "Gpu", "Reserve", "find_gpu", "load_catalogue", "parse_size"]

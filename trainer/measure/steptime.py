@@ -43,7 +43,7 @@ from torch.utils import flop_counter as _fc
 from trainer.errors import ConfigError
 from trainer.formatting import flops_text
 from trainer.measure.flops import FlopTally, count_sac_decision, sac_decisions
-from trainer.measure.gpus import Gpu, load_catalogue
+from trainer.measure.gpus import Gpu, find_gpu, load_catalogue
 
 OpKey = tuple[str, str, int, int]  # (kind, dtype, FLOPs, bytes)
 
@@ -581,12 +581,7 @@ def speed_for(device: str, gpu: Gpu | str | None = None, catalogue: list[str] | 
     if gpu is None and device != "cuda":
         return cpu_speed()
     if not isinstance(gpu, Gpu):
-        gpus = load_catalogue(catalogue)
-        name = gpu or REFERENCE_GPU
-        found = {k.lower(): v for k, v in gpus.items()}.get(name.lower())
-        if found is None:
-            raise ConfigError(f"--gpu {name}: not in the GPU catalogue; choose from {', '.join(gpus)} (conf/gpu/)")
-        gpu = found
+        gpu = find_gpu(gpu or REFERENCE_GPU, catalogue)
     try:
         return gpu_speed(gpu)
     except ValueError as e:  # a catalogue entry of memory only

@@ -504,10 +504,16 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OneLineParser(
         prog="python -m trainer.report",
-        description="Table, Pareto plot and loss curves of a Hydra multirun folder (or one run folder).",
+        description=(__doc__ or "").strip(),
     )
     p.add_argument("folder", type=Path, help="a multirun folder (runs/sweeps/<stamp>) or one run's folder")
-    p.add_argument("--budget", type=float, default=None, metavar="MiB", help="name the fastest job that fits this")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="MiB",
+        help="name the fastest completed job whose memory figure fits this many MiB",
+    )
     p.add_argument(
         "--metric",
         default="auto",
@@ -515,7 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         help="memory figure for the plot and the budget (auto: CUDA peak allocated on GPU, else the whole-step "
         "peak peak_total_mib where recorded, else the activation peak)",
     )
-    p.add_argument("--out", type=Path, default=None, help="write the report here instead of into the folder")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="write the report files here instead of into the folder",
+    )
     args = p.parse_args(argv)
     if args.budget is not None and not args.budget > 0:  # nan and negatives too
         p.error(f"--budget {args.budget} must be a positive number of MiB")

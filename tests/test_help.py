@@ -1,0 +1,85 @@
+"""Every entry point answers `--help`: exit 0, a usage, and a line of help for every option (a test per command, by
+subprocess, as a user types it). The estimator's help names the catalogue's GPUs and what `--device cuda` means."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CLI_ENV, ROOT, run_cli
+
+# Run a module as `python -m MODULE --help` would, after making argparse refuse an option without help text.
+DRIVER = """
+import argparse, runpy, sys
+original = argparse.ArgumentParser.print_help
+def print_help(self, file=None):
+    bare = [a.option_strings or [a.dest] for a in self._actions if not a.help and a.help != argparse.SUPPRESS]
+    if bare:
+        raise SystemExit(f"options without help: {bare}")
+    original(self, file)
+argparse.ArgumentParser.print_help = print_help
+module = sys.argv[1]
+sys.argv = [module, "--help"]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def _bench_commands() -> list[str]:
+    """Every benchmark that is a command: a bench module with a __main__ block, or a bench package with __main__.py."""
+    found = []
+    for path in sorted((ROOT / "bench").iterdir()):
+        if path.suffix == ".py" and 'if __name__ == "__main__"' in path.read_text():
+            found.append(f"bench.{path.stem}")
+        elif path.is_dir() and (path / "__main__.py").exists():
+            found.append(f"bench.{path.name}")
+    return found
+
+
+COMMANDS = ["trainer.estimate", "trainer.export", "trainer.check", "trainer.report", *_bench_commands()]
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_every_command_answers_help(module: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", DRIVER, module], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage:"), r.stdout[:300]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_bench_commands_are_found() -> None:
+    assert {"bench.policies", "bench.planner", "bench.hf_families"} <= set(COMMANDS)
+
+
+def test_train_py_help_says_how_to_run_and_sweep() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert "python train.py policy=selective accum=8" in r.stdout
+    assert "python -m trainer.estimate" in r.stdout and "policy: " in r.stdout  # our header, then Hydra's groups
+
+
+def test_estimator_help_lists_the_catalogue_and_explains_cuda_without_a_gpu() -> None:
+    from trainer.measure.gpus import load_catalogue
+
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer.estimate", "--help"], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    flat = " ".join(r.stdout.split())  # argparse wraps the option texts
+    for name in load_catalogue():
+        assert name in flat
+    assert "--device cuda estimates for a CUDA GPU even on a machine without one" in flat
+    assert "1GiB+5%" in flat  # the default that ended --help in a traceback
+
+
+def test_a_lone_percent_sign_in_a_help_text_is_printed() -> None:
+    from trainer.core.schema import OneLineParser
+
+    p = OneLineParser(prog="x")
+    p.add_argument("--reserve", default="1GiB+5%", help="keep free (default 1GiB+5%)")
+    p.add_argument("--n", default=3, help="n (default %(default)s)")
+    text = p.format_help()
+    assert "(default 1GiB+5%)" in text and "n (default 3)" in text
