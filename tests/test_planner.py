@@ -347,7 +347,7 @@ def test_runs_stay_within_budget_at_several_budgets(
         assert len(auto["blocks"]) == 3 and auto["budget_mib"] == pytest.approx(budget, abs=1e-4)
         plans[name] = auto["plan"]
     assert plans["roomy"] == ["none"] * 3
-    assert plans["tight"] != plans["middle"] != plans["roomy"]
+    assert len({tuple(p) for p in plans.values()}) == 3, plans  # three budgets, three plans (a != b != c skips a, c)
 
 
 def test_a_prediction_too_low_is_caught_and_re_planned_once(
