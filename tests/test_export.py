@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import CLI_ENV, ROOT
 from trainer.core.schema import compose_config
-from trainer.export import Answer, ExportRefused, export, main
+from trainer.export import ExportRefused, ExportResult, export, main
 from trainer.export.spec import APPROX, EXACT, NOT, elements
 from trainer.policies import Plan, Segment
 
@@ -39,7 +39,7 @@ EVERY_SECOND = ["policy=per_block", "policy.pattern=[none,full]"]  # blocks 1, 3
 
 
 @functools.cache
-def exported(to: str, *overrides: str, version: str | None = None) -> Answer:
+def exported(to: str, *overrides: str, version: str | None = None) -> ExportResult:
     return export(compose_config(list(overrides)), to, version)
 
 

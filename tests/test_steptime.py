@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from trainer.errors import ConfigError
 from trainer.measure import steptime
 from trainer.measure.gpus import Gpu, load_catalogue
-from trainer.measure.steptime import OpTrace, Speed, Work
+from trainer.measure.steptime import OpKey, OpTrace, Speed, Work
 
 
 def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
@@ -66,9 +66,9 @@ def test_the_roofline_arithmetic() -> None:
     """An op takes the longer of its FLOPs and its bytes; the host's per-op costs add up on a CPU and run ahead of the
     kernels on a GPU; offload's copies hide behind compute up to its length when prefetched."""
     work = Work()
-    work.ops[("matmul", "fp32", 2_000_000, 1_000)] = 3  # 2 ms each: compute-bound
-    work.ops[("memory", "", 0, 500_000)] = 2  # 0.5 ms each
-    work.ops[("free", "", 0, 0)] = 5
+    work.ops[OpKey("matmul", "fp32", 2_000_000, 1_000)] = 3  # 2 ms each: compute-bound
+    work.ops[OpKey("memory", "", 0, 500_000)] = 2  # 0.5 ms each
+    work.ops[OpKey("free", "", 0, 0)] = 5
     work.sac_decisions = 10
     cpu = _speed(False).predict(work)
     assert cpu.matmul_ms == pytest.approx(6.0) and cpu.memory_ms == pytest.approx(1.0)

@@ -80,7 +80,7 @@ def broken_row(model_type: str, reason: str, seconds: float) -> dict[str, Any]:
     }
 
 
-class Job:
+class FamilyJob:
     def __init__(self, model_type: str, args: argparse.Namespace, out: Path) -> None:
         self.model_type = model_type
         self.row_file = out / "rows" / f"{model_type}.json"
@@ -145,14 +145,14 @@ def sweep(args: argparse.Namespace, out: Path, families: list[str], log: Callabl
         log(f"{len(done)} families already in {out / 'rows.jsonl'}; {len(todo)} to go")
     meta = {"env": environment(args), "command": command_line(args), "families": families}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    running: list[Job] = []
+    running: list[FamilyJob] = []
     total, finished = len(todo), 0
     signal.signal(signal.SIGTERM, _terminated)  # `kill <pid>` of a background sweep ends its families too
     pending = list(todo)
     try:
         while pending or running:
             while pending and len(running) < args.jobs:
-                running.append(Job(pending.pop(0), args, out))
+                running.append(FamilyJob(pending.pop(0), args, out))
             time.sleep(0.2)
             for job in list(running):
                 timed_out = job.proc.poll() is None and job.elapsed() > args.timeout

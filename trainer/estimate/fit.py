@@ -82,7 +82,7 @@ class Line:
 
 
 @dataclass
-class Curve:
+class WorldCurve:
     """One policy's per-rank peak over world sizes: the estimates made so far and the bounds they give."""
 
     single: int | None = None  # the peak on one device, unsharded (world 1)
@@ -144,7 +144,7 @@ class FitTable:
         return [c.to_json() for c in self.cells]
 
 
-class _Worlds:
+class WorldEstimates:
     """Estimates of the wanted policies at a world size, one session per world size; `known` ones are not redone
     and `session` (the caller's, at its own world size) is reused."""
 
@@ -191,7 +191,7 @@ def _shapes(session: Session) -> list[tuple[tuple[int, ...], int]]:
 
 
 def _decide(
-    curve: Curve, usable: int, max_world: int, unit: Callable[[int], tuple[int, int]]
+    curve: WorldCurve, usable: int, max_world: int, unit: Callable[[int], tuple[int, int]]
 ) -> tuple[int | None, list[int]]:
     """The smallest world size that fits, or the world sizes still to estimate before it is known."""
     if curve.single is not None and curve.single <= usable:
@@ -225,8 +225,8 @@ def fit_table(
     `max_world`, then at the world sizes the bounds leave open (at most `rounds` more rounds). `session`: one
     already open for `config`, reused on one device and closed if sharded (its process group is needed for the
     other world sizes); `known`: estimates already made, by world size."""
-    worlds = _Worlds(config, device, plans or {}, workers, session and session.release_group(), known or {})
-    curves = {n: Curve() for n in names}
+    worlds = WorldEstimates(config, device, plans or {}, workers, session and session.release_group(), known or {})
+    curves = {n: WorldCurve() for n in names}
     usable = {g.name: reserve.usable(g.memory_bytes) for g in gpus}
     _record(curves, worlds, 1, names)
     sharded = [n for n, c in curves.items() if not c.refusal and (c.single is None or c.single > min(usable.values()))]
@@ -258,7 +258,7 @@ def _next_world(unsure: list[int]) -> int:
     return powers[0] if powers else unsure[0]
 
 
-def _record(curves: dict[str, Curve], worlds: _Worlds, world: int, names: list[str]) -> None:
+def _record(curves: dict[str, WorldCurve], worlds: WorldEstimates, world: int, names: list[str]) -> None:
     out = worlds.measure(world, [n for n in names if not curves[n].refusal])
     for name, est in out.items():
         curve = curves[name]
@@ -270,7 +270,7 @@ def _record(curves: dict[str, Curve], worlds: _Worlds, world: int, names: list[s
             curve.lines[world] = Line.of(est, world, shard_unit(worlds.shapes, world))
 
 
-def _units(worlds: _Worlds) -> Callable[[int], tuple[int, int]]:
+def _units(worlds: WorldEstimates) -> Callable[[int], tuple[int, int]]:
     """A world size's shard bytes and padding bytes."""
     cache: dict[int, tuple[int, int]] = {}
 
@@ -283,7 +283,13 @@ def _units(worlds: _Worlds) -> Callable[[int], tuple[int, int]]:
 
 
 def _cell(
-    gpu: Gpu, usable: int, name: str, curve: Curve, loss: str, max_world: int, unit: Callable[[int], tuple[int, int]]
+    gpu: Gpu,
+    usable: int,
+    name: str,
+    curve: WorldCurve,
+    loss: str,
+    max_world: int,
+    unit: Callable[[int], tuple[int, int]],
 ) -> FitCell:
     base = dict(gpu=gpu.name, memory_bytes=gpu.memory_bytes, usable_bytes=usable, policy=name, loss=loss)
     if curve.refusal:
@@ -305,4 +311,4 @@ def _cell(
     )
 
 
-__all__ = ["MARGIN", "Curve", "FitCell", "FitTable", "Line", "at_world", "fit_table", "shard_unit"]
+__all__ = ["MARGIN", "WorldCurve", "FitCell", "FitTable", "Line", "at_world", "fit_table", "shard_unit"]

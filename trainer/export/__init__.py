@@ -16,18 +16,18 @@ module per target), `fidelity` (the closest plan, the rows, the figures) and `cl
 """
 
 from trainer.export import targets as _targets  # noqa: F401  (registers them)
-from trainer.export.cli import Answer, build_context, export, main, render, to_json
-from trainer.export.fidelity import Figures, Form, Row
-from trainer.export.spec import TARGETS, Candidate, Context, ExportRefused, Target
+from trainer.export.cli import ExportResult, build_context, export, main, render, to_json
+from trainer.export.fidelity import PlanFigures, Row, TargetSettings
+from trainer.export.spec import TARGETS, Candidate, ExportInput, ExportRefused, Target
 
 __all__ = [
     "TARGETS",
-    "Answer",
+    "ExportResult",
     "Candidate",
-    "Context",
+    "ExportInput",
     "ExportRefused",
-    "Figures",
-    "Form",
+    "PlanFigures",
+    "TargetSettings",
     "Row",
     "Target",
     "build_context",

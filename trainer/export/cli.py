@@ -14,23 +14,31 @@ import torch
 from trainer.core.rundir import check_writable, write_json_atomic, write_text_atomic
 from trainer.core.schema import Config, OneLineParser, compose_config, user_error_status
 from trainer.estimate import Session, estimate_device, open_session, planner_plan
-from trainer.export.fidelity import EXACT, Figures, Form, Measurer, export_form, quiet_policy_notices, rows
-from trainer.export.spec import TARGETS, Context, ExportRefused, Target, settings_line, target
+from trainer.export.fidelity import (
+    EXACT,
+    Measurer,
+    PlanFigures,
+    TargetSettings,
+    export_form,
+    quiet_policy_notices,
+    rows,
+)
+from trainer.export.spec import TARGETS, ExportInput, ExportRefused, Target, settings_line, target
 from trainer.formatting import MIB, flops_text, markdown_table
 from trainer.policies import build_policy, resolve_plan
 
 
 @dataclass
-class Answer:
+class ExportResult:
     """Everything the command prints and writes: the forms (one per target version shown), and what they are for."""
 
-    ctx: Context
-    forms: list[Form]
+    ctx: ExportInput
+    forms: list[TargetSettings]
     refused: dict[str, str]  # version key → its one line, where one version of several cannot express the plan
     planner: str
 
 
-def build_context(config: Config, device: str) -> tuple[Context, Session, str]:
+def build_context(config: Config, device: str) -> tuple[ExportInput, Session, str]:
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
     the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
     policy = build_policy(config.policy)
@@ -55,13 +63,13 @@ def build_context(config: Config, device: str) -> tuple[Context, Session, str]:
     model = session.module.model
     rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     rates.append(float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0))
-    ctx = Context(
+    ctx = ExportInput(
         config, policy, plan, adapter.n_layer, adapter.attention, type(adapter.layers[0]), max(rates), session.device
     )
     return ctx, session, planner
 
 
-def export(config: Config, to: str, version: str | None = None, device: str | None = None) -> Answer:
+def export(config: Config, to: str, version: str | None = None, device: str | None = None) -> ExportResult:
     """The whole answer for one target (every version it shows, or the one asked for); ExportRefused when it
     cannot express the plan at all."""
     t = target(to)
@@ -69,7 +77,7 @@ def export(config: Config, to: str, version: str | None = None, device: str | No
     ctx, session, planner = build_context(config, estimate_device(config, device))
     try:
         measurer = Measurer(session, ctx)
-        forms: list[Form] = []
+        forms: list[TargetSettings] = []
         refused: dict[str, str] = {}
         for v in chosen:
             try:
@@ -84,10 +92,10 @@ def export(config: Config, to: str, version: str | None = None, device: str | No
             _refuse_if_another_version_has_it(t, ctx, forms[0])
     finally:
         session.close()
-    return Answer(ctx, forms, refused, planner)
+    return ExportResult(ctx, forms, refused, planner)
 
 
-def _refuse_if_another_version_has_it(t: Target, ctx: Context, form: Form) -> None:
+def _refuse_if_another_version_has_it(t: Target, ctx: ExportInput, form: TargetSettings) -> None:
     """--target-version V where V cannot write our plan exactly and another version of the target can: an option V
     lacks, refused naming the version that has it."""
     if all(r.status == EXACT for r in form.rows[:-1]):
@@ -110,7 +118,7 @@ def _refuse_if_another_version_has_it(t: Target, ctx: Context, form: Form) -> No
 # ----------------------------------------------------------------------------------------------------
 
 
-def render(answer: Answer) -> str:
+def render(answer: ExportResult) -> str:
     ctx = answer.ctx
     name = ctx.config.model.name
     lines = [
@@ -126,7 +134,7 @@ def render(answer: Answer) -> str:
     return "\n".join(lines)
 
 
-def _form_lines(form: Form, device: str) -> list[str]:
+def _form_lines(form: TargetSettings, device: str) -> list[str]:
     lines = [f"── export to {form.target.title}: {form.target.names(form.version)}", "", "settings:"]
     lines += [f"  {s}" for s in form.text.splitlines()]
     cells = [(r.element, r.status, r.how) for r in form.rows]
@@ -142,11 +150,11 @@ def _form_lines(form: Form, device: str) -> list[str]:
     return lines + [f"note: {n}" for n in form.notes]
 
 
-def _figures(form: Form) -> str:
+def _figures(form: TargetSettings) -> str:
     assert form.ours is not None and form.closest is not None
     base = form.ours.flops or 1
 
-    def row(who: str, f: Figures) -> tuple[str, ...]:
+    def row(who: str, f: PlanFigures) -> tuple[str, ...]:
         return (
             who,
             f.plan,
@@ -160,10 +168,10 @@ def _figures(form: Form) -> str:
     return markdown_table(header, [row("ours", form.ours), row("closest", form.closest)], "lllrrr")
 
 
-def to_json(answer: Answer) -> dict[str, Any]:
+def to_json(answer: ExportResult) -> dict[str, Any]:
     ctx = answer.ctx
 
-    def one(form: Form) -> dict[str, Any]:
+    def one(form: TargetSettings) -> dict[str, Any]:
         v, exact = form.version, form.verdict == EXACT
         return {
             "version": v.key,

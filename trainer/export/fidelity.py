@@ -6,7 +6,7 @@ the estimator's figures for our plan and the closest side by side, measured on t
 
 The closest expressible plan is the one a user can run in our plan's place: among the candidates whose whole-step
 peak is no higher than ours (it fits wherever ours fits), the one with the fewest FLOPs; when none is that low, the
-one with the lowest peak. Figures, not a rule about treatments, decide it, because a group of blocks or an offloaded
+one with the lowest peak. PlanFigures, not a rule about treatments, decide it, because a group of blocks or an offloaded
 block has no fixed place in an order of memory.
 """
 
@@ -23,8 +23,8 @@ from trainer.export.spec import (
     NOT,
     TARGETS,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     ExportRefused,
     LossMap,
     Status,
@@ -46,7 +46,7 @@ class Row:
 
 
 @dataclass
-class Figures:
+class PlanFigures:
     """The estimator's three figures for one plan and loss head (one optimizer step)."""
 
     plan: str
@@ -56,12 +56,12 @@ class Figures:
     flops: int
 
     @classmethod
-    def of(cls, est: Estimate) -> Figures:
+    def of(cls, est: Estimate) -> PlanFigures:
         return cls(est.plan, est.loss, est.activation_bytes, est.peak_bytes, est.flops)
 
 
 @dataclass
-class Form:
+class TargetSettings:
     """One target version's answer: the settings it writes, their fidelity, and the figures where they differ."""
 
     target: Target
@@ -70,8 +70,8 @@ class Form:
     loss: LossMap
     rows: list[Row]
     text: str
-    ours: Figures | None = None
-    closest: Figures | None = None
+    ours: PlanFigures | None = None
+    closest: PlanFigures | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -105,30 +105,30 @@ class Measurer:
     """The session's measurements, each plan and head once. Measuring several plans prints no treatment's one-time
     notice (offload on CPU, selective under SDPA): the rows say what runs."""
 
-    def __init__(self, session: Session, ctx: Context) -> None:
+    def __init__(self, session: Session, ctx: ExportInput) -> None:
         self.session, self.ctx = session, ctx
-        self._done: dict[tuple[str, str], Figures] = {}
+        self._done: dict[tuple[str, str], PlanFigures] = {}
 
-    def ours(self) -> Figures:
+    def ours(self) -> PlanFigures:
         return self._measure(self.ctx.policy, self.ctx.plan, self.ctx.loss.name)
 
-    def candidate(self, c: Candidate, loss_name: str) -> Figures | None:
+    def candidate(self, c: Candidate, loss_name: str) -> PlanFigures | None:
         policy = PlanPolicy(c.label, c.plan, self.ctx.policy, c.custom)
         try:
             return self._measure(policy, c.plan, loss_name)
         except PolicyError:  # a plan this model cannot take (e.g. groups in a loop that cannot group them)
             return None
 
-    def _measure(self, policy: Policy, plan: Plan, loss_name: str) -> Figures:
+    def _measure(self, policy: Policy, plan: Plan, loss_name: str) -> PlanFigures:
         key = (plan.describe(), loss_name)
         if key not in self._done:
             loss = replace(self.ctx.loss, name=loss_name)
             with quiet_policy_notices():
-                self._done[key] = Figures.of(measure(self.session, policy, loss))
+                self._done[key] = PlanFigures.of(measure(self.session, policy, loss))
         return self._done[key]
 
 
-def closest(cands: list[Candidate], ours: Figures, figures: list[Figures | None]) -> int:
+def closest(cands: list[Candidate], ours: PlanFigures, figures: list[PlanFigures | None]) -> int:
     """The index of the closest expressible candidate (see the module's docstring)."""
     measured = [(i, f) for i, f in enumerate(figures) if f is not None]
     if not measured:
@@ -139,7 +139,7 @@ def closest(cands: list[Candidate], ours: Figures, figures: list[Figures | None]
     return min(measured, key=lambda x: (x[1].peak_bytes, x[0]))[0]
 
 
-def refuse_if_inexpressible(target: Target, ctx: Context, version: Version, explicit: bool) -> None:
+def refuse_if_inexpressible(target: Target, ctx: ExportInput, version: Version, explicit: bool) -> None:
     """A plan no element of which the target can run, even approximately, is refused in one line naming the targets
     that can run it (the registry's)."""
     work: list[Element] = [e for e in ctx.elements if e.treatment != "none"] or ctx.elements
@@ -159,7 +159,7 @@ def refuse_if_inexpressible(target: Target, ctx: Context, version: Version, expl
     )
 
 
-def rows(target: Target, ctx: Context, version: Version, chosen: Candidate, loss: LossMap) -> list[Row]:
+def rows(target: Target, ctx: ExportInput, version: Version, chosen: Candidate, loss: LossMap) -> list[Row]:
     """A fidelity row per element of our plan, split where the chosen candidate runs its blocks differently, and one
     for the loss head."""
     parts = [part for e in ctx.elements for part in _parts(e, chosen.does)]
@@ -190,7 +190,7 @@ def _parts(e: Element, runs: Plan) -> list[Element]:
     return [Element(a, b, e.treatment, e.group) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def _row(target: Target, ctx: Context, version: Version, runs: Plan, e: Element) -> Row:
+def _row(target: Target, ctx: ExportInput, version: Version, runs: Plan, e: Element) -> Row:
     ours = [(s.start, s.stop) for s in ctx.plan.segments if s.start < e.stop and s.stop > e.start]
     theirs = [s for s in runs.segments if s.start < e.stop and s.stop > e.start]
     same = ours == [(s.start, s.stop) for s in theirs]
@@ -206,7 +206,9 @@ def _row(target: Target, ctx: Context, version: Version, runs: Plan, e: Element)
     return Row(e.label(), *found)
 
 
-def export_form(target: Target, ctx: Context, version: Version, measurer: Measurer, explicit: bool) -> Form:
+def export_form(
+    target: Target, ctx: ExportInput, version: Version, measurer: Measurer, explicit: bool
+) -> TargetSettings:
     """One target version's settings for our plan, their fidelity and, where they differ, the figures.
 
     The candidate written: the one that runs our plan as it is, else the closest (module docstring) among those that
@@ -234,17 +236,17 @@ def export_form(target: Target, ctx: Context, version: Version, measurer: Measur
             others = [c for c in cands if c not in pool]
             notes += _fitting_alternative(target, ctx, version, loss, measurer, others, ours)
     text = target.render(chosen, loss, ctx, version)
-    return Form(target, version, chosen, loss, form_rows, text, ours, closest_figures, notes + chosen.notes)
+    return TargetSettings(target, version, chosen, loss, form_rows, text, ours, closest_figures, notes + chosen.notes)
 
 
 def _fitting_alternative(
     target: Target,
-    ctx: Context,
+    ctx: ExportInput,
     version: Version,
     loss: LossMap,
     measurer: Measurer,
     others: list[Candidate],
-    ours: Figures,
+    ours: PlanFigures,
 ) -> list[str]:
     """Where the closest faithful plan peaks above ours: the cheapest other plan the target can write that does fit,
     as a note (it runs some element another way)."""

@@ -68,7 +68,7 @@ def elements(plan: Plan) -> list[Element]:
 
 
 @dataclass
-class Context:
+class ExportInput:
     """Everything a target reads: the configuration (its loss head included), our plan as it runs on this model
     (each treatment as it really runs: selective under SDPA is `none`), and the model's facts."""
 
@@ -187,31 +187,31 @@ class Target:
     # The treatments its candidates' plans name that are not ours (e.g. torchtitan's own per-op policy)
     own_treatments: ClassVar[tuple[str, ...]] = ()
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         """The plans this target can write that come nearest ours (an exact one first when there is one)."""
         raise NotImplementedError
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         """How the target runs an element it runs as we do (same treatment, same blocks); None: it has no way to."""
         raise NotImplementedError
 
-    def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
+    def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
         """Where the target runs `theirs` on the element's blocks: how that approximates ours, or None (a different
         kind of thing: not expressible)."""
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         """Why the target cannot run this element as we do (one clause)."""
         raise NotImplementedError
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         raise NotImplementedError
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         """The settings in the target's own form, loss head included: what a user pastes (and --out writes)."""
         raise NotImplementedError
 
-    def can(self, e: Element, ctx: Context, version: Version) -> bool:
+    def can(self, e: Element, ctx: ExportInput, version: Version) -> bool:
         """Can the target run this element at least approximately (on its own)?"""
         if e.group > 1 and not self.groups:
             return False

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import flop_counter as _fc
@@ -45,7 +45,15 @@ from trainer.formatting import flops_text
 from trainer.measure.flops import FlopTally, count_sac_decision, sac_decisions
 from trainer.measure.gpus import Gpu, find_gpu, load_catalogue
 
-OpKey = tuple[str, str, int, int]  # (kind, dtype, FLOPs, bytes)
+
+class OpKey(NamedTuple):
+    """What one dispatched op asks of a device; a step's ops are counted by it."""
+
+    kind: str  # matmul | memory | math | random | free
+    dtype: str  # the matmul's operand dtype (fp32, bf16, ...); "" for the other kinds
+    flops: int
+    nbytes: int  # bytes read and written
+
 
 _FREE_OPS = frozenset(
     n
@@ -132,11 +140,11 @@ def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
     if flops:
         inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
-        return ("matmul", dtype, int(flops), sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+        return OpKey("matmul", dtype, int(flops), sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
     if getattr(func, "is_view", False) or packet.__name__ in _FREE_OPS:
-        return ("free", "", 0, 0)
+        return OpKey("free", "", 0, 0)
     kind = "math" if packet.__name__ in _MATH_OPS else "random" if packet.__name__ in _RANDOM_OPS else "memory"
-    return (kind, "", 0, sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+    return OpKey(kind, "", 0, sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
 
 
 @dataclass
@@ -150,15 +158,15 @@ class Work:
     prefetch: bool = True  # offload's copies overlap the compute
 
     def count(self, kind: str) -> int:
-        return sum(n for k, n in self.ops.items() if k[0] == kind)
+        return sum(n for k, n in self.ops.items() if k.kind == kind)
 
     @property
     def flops(self) -> int:
-        return sum(k[2] * n for k, n in self.ops.items())
+        return sum(k.flops * n for k, n in self.ops.items())
 
     @property
     def bytes_moved(self) -> int:
-        return sum(k[3] * n for k, n in self.ops.items())
+        return sum(k.nbytes * n for k, n in self.ops.items())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -208,10 +216,10 @@ def trace(fn: Callable[[], Any]) -> tuple[Any, Work]:
 # Speeds.
 # ----------------------------------------------------------------------------------------------------
 
-Curve = tuple[tuple[float, float], ...]  # (size, rate) points, sizes ascending: FLOPs → FLOP/s, bytes → bytes/s
+RateCurve = tuple[tuple[float, float], ...]  # (size, rate) points, sizes ascending: FLOPs → FLOP/s, bytes → bytes/s
 
 
-def _rate(curve: Curve, size: float) -> float:
+def _rate(curve: RateCurve, size: float) -> float:
     """The rate at `size`, interpolated log-log between the points (flat beyond the ends)."""
     sizes = [s for s, _ in curve]
     if size <= sizes[0]:
@@ -249,8 +257,8 @@ class Speed:
     """A device's speed as the roofline uses it (rates in per-second units, times in seconds)."""
 
     name: str
-    matmul: dict[str, Curve]  # dtype → FLOPs of one op → FLOP/s
-    bandwidth: dict[str, Curve]  # kind (memory, math, random) → bytes of one op → bytes/s
+    matmul: dict[str, RateCurve]  # dtype → FLOPs of one op → FLOP/s
+    bandwidth: dict[str, RateCurve]  # kind (memory, math, random) → bytes of one op → bytes/s
     op_s: float  # fixed cost of every op launched
     free_s: float  # a view's or allocation's cost (host only)
     sac_s: float  # one SAC decision (host)
@@ -420,7 +428,7 @@ def _cycled_s(fn: Callable[..., Any], pool: list[tuple[torch.Tensor, ...]], reps
     return _median_s(lambda: fn(*pool[next(it) % len(pool)]), reps, warmup=len(pool) % 3 + 1)
 
 
-def _matmul_curve(dtype: torch.dtype, op_s: float) -> Curve:
+def _matmul_curve(dtype: torch.dtype, op_s: float) -> RateCurve:
     """FLOP/s by op size: the median over a step's layouts (A·B, Aᵀ·B as weight gradients take it, A·Bᵀ as a linear
     layer takes its weight) and over batched products (attention's), each on cold operands."""
     points = []
@@ -439,7 +447,7 @@ def _matmul_curve(dtype: torch.dtype, op_s: float) -> Curve:
     return tuple(points)
 
 
-def _bandwidth_curves(op_s: float) -> dict[str, Curve]:
+def _bandwidth_curves(op_s: float) -> dict[str, RateCurve]:
     """Bytes/s by op size for each kind of memory-bound op, on cold tensors: `memory` a product (reads two, writes
     one), `math` the median of GELU, softmax and layer norm (read one, write one), `random` a dropout mask drawn in
     place."""
@@ -514,7 +522,7 @@ def _calibration_round() -> dict[str, Any]:
     return {"op_s": op_s, "free_s": free_s, "sac_s": _sac_s(op_s), "matmul": matmul, "bandwidth": bandwidth}
 
 
-def _median_curves(curves: list[Curve]) -> Curve:
+def _median_curves(curves: list[RateCurve]) -> RateCurve:
     return tuple((points[0][0], statistics.median(p[1] for p in points)) for points in zip(*curves, strict=True))
 
 

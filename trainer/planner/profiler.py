@@ -41,7 +41,7 @@ from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Context = tuple[tuple[Any, ...], dict[str, Any]]  # a layer's arguments after the hidden states
+LayerArgs = tuple[tuple[Any, ...], dict[str, Any]]  # a layer's arguments after the hidden states
 
 
 def _sync(device: torch.device) -> None:
@@ -140,7 +140,7 @@ def _run_block(
     run: _Run,
     layer: nn.Module,
     x_src: torch.Tensor,
-    context: Context,
+    context: LayerArgs,
     w: torch.Tensor,
     tracker: LiveTensorTracker | None,
 ) -> dict[str, float]:
@@ -365,11 +365,11 @@ def _assemble(
 
 def _block_inputs(
     run: _Run, batch: Batch, loss_fn: Callable[..., Any], firsts: set[int]
-) -> tuple[dict[int, torch.Tensor], list[Context]]:
+) -> tuple[dict[int, torch.Tensor], list[LayerArgs]]:
     """One no-grad pass over the micro-batch: the real input of the layers in `firsts`, and every layer's
     arguments (its context), as the model's own loop passes them."""
     inputs: dict[int, torch.Tensor] = {}
-    contexts: list[Context] = [((), {}) for _ in range(run.adapter.n_layer)]
+    contexts: list[LayerArgs] = [((), {}) for _ in range(run.adapter.n_layer)]
 
     def record(i: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if i in firsts:
@@ -393,7 +393,7 @@ class _BlockBench:
     """Blocks under treatments, each installed through the normal path: a full-length plan that gives block i the
     treatment and every other block `none` (which installs nothing)."""
 
-    def __init__(self, run: _Run, policy: Policy, inputs: dict[int, torch.Tensor], contexts: list[Context]) -> None:
+    def __init__(self, run: _Run, policy: Policy, inputs: dict[int, torch.Tensor], contexts: list[LayerArgs]) -> None:
         self.run, self.policy, self.inputs, self.contexts = run, policy, inputs, contexts
         self.blocks = list(run.adapter.layers)
         self.seed_w = torch.randn_like(inputs[0], dtype=torch.float32)  # the backward seed's weights: (y * w).sum()

@@ -18,8 +18,8 @@ from trainer.export.spec import (
     APPROX,
     EXACT,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     ExportRefused,
     LossMap,
     Status,
@@ -88,7 +88,7 @@ class HuggingFace(Target):
             "TrainingArguments and activation_checkpointing_enable)"
         )
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         names, n, plan = hf_names(), ctx.n_layer, ctx.plan
         only = uniform(plan)
         out: list[Candidate] = []
@@ -113,7 +113,7 @@ class HuggingFace(Target):
             out.append(self._ckpt(names, {"every_n_layers": cover}, every_nth_plan(n, cover, from_zero)))
         return out
 
-    def _needs(self, names: Names, option: str, ctx: Context) -> None:
+    def _needs(self, names: Names, option: str, ctx: ExportInput) -> None:
         """Refuse a plan that needs the checkpointing kwarg `option` (a `Names` field) the installed release lacks."""
         if not getattr(names, option):
             raise ExportRefused(
@@ -134,7 +134,7 @@ class HuggingFace(Target):
             )
         return Candidate(f"checkpointing ({what})", {names.flag: True, names.kwargs: kwargs}, plan, notes=notes)
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "not checkpointed: every activation kept"
         if e.treatment == "full" and e.group == 1:
@@ -154,7 +154,7 @@ class HuggingFace(Target):
             )
         return None
 
-    def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
+    def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
         if e.treatment == "selective" and theirs == "op_sac" and e.group == 1:
             return (
                 "no core-attention-only mode: a per-op context_fn (ours, saving policy.save_ops) recomputes the "
@@ -162,7 +162,7 @@ class HuggingFace(Target):
             )
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "Hugging Face checkpoints each decoder layer on its own call, never several layers as one region"
         return (
@@ -170,7 +170,7 @@ class HuggingFace(Target):
             "context_fn for all"
         )
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("the model's own loss: cross-entropy on the whole logits")
         settings = {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER)}
@@ -182,7 +182,7 @@ class HuggingFace(Target):
             why += ", so nothing is recomputed (ours recomputes each chunk's logits); Liger sizes its own chunks"
         return LossMap(APPROX, why, settings, ctx.loss.name)
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         names = hf_names()
         settings = {**chosen.settings, **loss.settings}
         kwargs = settings.get(names.kwargs, {})

@@ -10,8 +10,8 @@ from __future__ import annotations
 from trainer.export.spec import (
     EXACT,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     LossMap,
     Status,
     Target,
@@ -28,7 +28,7 @@ class Lightning(Target):
     title = "Lightning (FSDPStrategy)"
     versions = (Version("2.6", "lightning 2.6.6", "lightning"),)
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         n = ctx.n_layer
         none = Candidate("no checkpointing", {"activation_checkpointing_policy": None}, Plan.uniform(n, "none"))
         full = Candidate(
@@ -38,7 +38,7 @@ class Lightning(Target):
         )
         return [none, full] if uniform(ctx.plan) == "none" else [full, none]
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "no activation_checkpointing_policy: every activation kept"
         if e.treatment == "full" and e.group == 1:
@@ -48,7 +48,7 @@ class Lightning(Target):
             )
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "FSDPStrategy checkpoints each block on its own, never several blocks as one region"
         if e.treatment in ("selective", "op_sac"):
@@ -57,7 +57,7 @@ class Lightning(Target):
             return "FSDPStrategy offloads no activation (its cpu_offload moves parameters)"
         return f"activation_checkpointing_policy checkpoints every {ctx.layer_class.__name__} or none of them"
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("your LightningModule's own loss: cross-entropy on the whole logits")
         return LossMap.standard_only(
@@ -65,7 +65,7 @@ class Lightning(Target):
             "project's trainer.loss.head_loss computes a chunked or fused head)"
         )
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         lines = ["from lightning.pytorch.strategies import FSDPStrategy"]
         if chosen.settings["activation_checkpointing_policy"]:
             cls = ctx.layer_class

@@ -15,8 +15,8 @@ from trainer.export.spec import (
     APPROX,
     EXACT,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     LossMap,
     Status,
     Target,
@@ -56,7 +56,7 @@ class Megatron(Target):
     versions = (Version("0.19", "megatron-core 0.19.2", "megatron-core"),)
     groups = True
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         plan, n = ctx.plan, ctx.n_layer
         out: list[Candidate] = []
         k, first, only = group_size(plan), first_n(plan), uniform(plan)
@@ -95,7 +95,7 @@ class Megatron(Target):
         s = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": k}
         return Candidate(f"block, the first {k} layers", s, Plan.per_block(["full"] * k + ["none"] * (n - k)))
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         n = ctx.n_layer
         if e.treatment == "none":
             return EXACT, "no recompute flag for these layers: their activations are kept"
@@ -131,7 +131,7 @@ class Megatron(Target):
             )
         return None
 
-    def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
+    def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
         if e.treatment == "op_sac" and theirs == "selective":
             return (
                 "Megatron has no per-op policy: --recompute-modules names modules (core_attn, layernorm, mlp, "
@@ -140,7 +140,7 @@ class Megatron(Target):
             )
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.treatment == "op_sac":
             return "Megatron has no per-op recompute policy"
         if e.treatment == "offload":
@@ -153,7 +153,7 @@ class Megatron(Target):
             "each pipeline stage) and one granularity for all of them, not an arbitrary mix"
         )
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("Megatron's cross-entropy on the whole logits (vocab-parallel across tensor ranks)")
         return LossMap.standard_only(
@@ -161,6 +161,6 @@ class Megatron(Target):
             "softmax and the loss, not the projection)"
         )
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         text = flags(chosen.settings)
         return text or "# no recompute or offload flags: Megatron keeps every activation by default"

@@ -21,8 +21,8 @@ from trainer.export.spec import (
     APPROX,
     EXACT,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     LossMap,
     Status,
     Target,
@@ -143,7 +143,7 @@ class Torchtitan(Target):
     show_all_versions = True
     own_treatments = tuple(SAC.values())
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         n, main = ctx.n_layer, version.key == MAIN.key
         out: list[Candidate] = []
         only = uniform(ctx.plan)
@@ -172,7 +172,7 @@ class Torchtitan(Target):
         settings = {"activation_checkpoint": {"mode": "selective", "selective_ac_option": str(k)}}
         return Candidate(f"every {ordinal(k)} block", settings, every_nth_plan(n, k, from_one))
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
@@ -186,7 +186,7 @@ class Torchtitan(Target):
             return EXACT, f"{how} (checkpoint_wrapper, RNG state preserved as ours: preserve_rng_state)"
         return None
 
-    def similar(self, e: Element, theirs: str, ctx: Context, version: Version) -> str | None:
+    def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
         if theirs not in SAC.values() or e.group > 1:
             return None
         own = (
@@ -207,7 +207,7 @@ class Torchtitan(Target):
             )
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "torchtitan wraps each block on its own, never several blocks as one checkpointed region"
         if e.treatment == "offload":
@@ -219,7 +219,7 @@ class Torchtitan(Target):
             )
         return 'torchtitan ≤0.2 checkpoints every block, none, or every n-th (selective_ac_option = "<n>")'
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             return LossMap.standard("CrossEntropyLoss on the whole logits (the default)")
         if version.key == TOML.key:
@@ -239,7 +239,7 @@ class Torchtitan(Target):
         )
         return LossMap(APPROX, why + extra, {"loss": code}, ctx.loss.name)
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         s = chosen.settings["activation_checkpoint"]
         if version.key == MAIN.key:
             cls = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[s]

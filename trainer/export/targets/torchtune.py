@@ -17,8 +17,8 @@ from trainer.export.spec import (
     APPROX,
     EXACT,
     Candidate,
-    Context,
     Element,
+    ExportInput,
     LossMap,
     Status,
     Target,
@@ -44,7 +44,7 @@ class Torchtune(Target):
     title = "torchtune (recipe YAML)"
     versions = (Version("0.6", "torchtune 0.6.1", "torchtune"),)
 
-    def candidates(self, ctx: Context, version: Version) -> list[Candidate]:
+    def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         n, plan = ctx.n_layer, ctx.plan
         only = uniform(plan)
         off = {"enable_activation_checkpointing": False}
@@ -69,7 +69,7 @@ class Torchtune(Target):
         s: dict[str, Any] = {"enable_activation_checkpointing": False, "ac_mode": "selective", "ac_option": k}
         return Candidate(f"every {ordinal(k)} layer", s, every_nth_plan(n, k, from_one))
 
-    def fidelity(self, e: Element, ctx: Context, version: Version) -> tuple[Status, str] | None:
+    def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
         if e.treatment == "none":
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
@@ -94,14 +94,14 @@ class Torchtune(Target):
             )
         return None
 
-    def why_not(self, e: Element, ctx: Context, version: Version) -> str:
+    def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "torchtune wraps each layer on its own, never several layers as one region"
         if e.treatment in ("selective", "op_sac"):
             return 'torchtune 0.6.1 has no per-op or core-attention policy (ac_option "op" fails its int() parse)'
         return "torchtune checkpoints every layer, none, or every n-th (ac_mode: selective, ac_option: n)"
 
-    def loss(self, ctx: Context, version: Version) -> LossMap:
+    def loss(self, ctx: ExportInput, version: Version) -> LossMap:
         if ctx.loss.name == "standard":
             s = {"loss": {"_component_": "torch.nn.CrossEntropyLoss"}}
             return LossMap.standard("torch's CrossEntropyLoss on the whole logits", s)
@@ -118,7 +118,7 @@ class Torchtune(Target):
             "standard",
         )
 
-    def render(self, chosen: Candidate, loss: LossMap, ctx: Context, version: Version) -> str:
+    def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
         lines = [f"{k}: {_yaml(v)}" for k, v in chosen.settings.items()]
         for key, node in loss.settings.items():
             lines.append(f"{key}:")
