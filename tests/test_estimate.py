@@ -411,3 +411,15 @@ def test_chunked_is_chunked_at_the_default_shape(compose_cfg: Callable[..., Any]
     assert validate(compose_cfg(small=False)).loss.chunk_for(4 * 256) == 4 * 256 // DEFAULT_CHUNKS
     assert est["chunked"].head_bytes < est["standard"].head_bytes / 2
     assert est["chunked"].activation_bytes < est["standard"].activation_bytes
+
+
+def test_fsdp2_grouped_blocks_explain_the_view_warning_once() -> None:
+    """Under FSDP2 a grouped plan's blocks before the group's last return their input as a stand-in, and torch warned
+    about a returned view at each of them; the output says once why no in-place op can follow it instead."""
+    args = ["model=llama-tiny", "trainer=fsdp2", "trainer.devices=2", "seq_len=32", "--no-time"]
+    r = _cli(*args, "policy=sqrt", "--policies", "configured")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "UserWarning: FSDP2-wrapped module" not in r.stderr
+    assert r.stderr.count("return their input as a stand-in") == 1, r.stderr[-2000:]
+    full = _cli(*args, "policy=full", "--policies", "configured")  # no group: nothing to explain
+    assert full.returncode == 0 and "stand-in" not in full.stderr, full.stderr[-2000:]

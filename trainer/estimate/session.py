@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from trainer import precision as precision_
 from trainer.core import step as step_
+from trainer.core.module import explain_group_stand_ins
 from trainer.core.schema import Config, ConfigError, model_vocab
 from trainer.loss import LossConfig
 from trainer.measure.steptime import OpTrace, Speed, StepTime, Work
@@ -432,6 +433,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     try:
         with session.active():
             apply_policy(module.model, policy)
+            if session.world > 1:
+                explain_group_stand_ins(module.model)  # sharded as a run shards: torch's view warning, explained
             plan = module.model.activation_plan
             meter = step_.StepMeter(device_type=None, regions=True)
             counter = OpTrace()
