@@ -1,4 +1,4 @@
-"""Helpers the benchmarks share: rewrite one marked block of the README, name the CPU, and say in one line where
+"""Helpers the benchmarks share: rewrite one marked block of a docs page, name the CPU, and say in one line where
 and how a table was made (every generated header carries it)."""
 
 from __future__ import annotations
@@ -12,10 +12,23 @@ import torch
 from trainer.measure.steptime import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
 
-__all__ = ["README", "ROOT", "cpu_name", "environment", "environment_text", "replace_block"]
+__all__ = [
+    "BENCHMARKS_PAGE",
+    "DOCS",
+    "HF_FAMILIES_PAGE",
+    "README",
+    "ROOT",
+    "cpu_name",
+    "environment",
+    "environment_text",
+    "replace_block",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+BENCHMARKS_PAGE = DOCS / "benchmarks.md"  # the measured tables, each between its markers
+HF_FAMILIES_PAGE = DOCS / "hf-families.md"  # the family sweep's table
 
 
 def replace_block(path: Path, start: str, end: str, block: str, heading: str) -> None:

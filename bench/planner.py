@@ -1,7 +1,7 @@
 """`policy=auto` across memory budgets, beside the fastest uniform policy that fits: measured peak and step time.
 
     python -m bench.planner                  # print the tables (the conf defaults: model=tiny, 4×256 tokens)
-    python -m bench.planner --write-readme   # also rewrite the README block between the planner-table markers
+    python -m bench.planner --write-readme   # also rewrite the docs block between the planner-table markers
     python -m bench.planner --model llama-tiny --budgets 6 --reps 3
 
 One process, one configuration composed as train.py composes it with `policy=auto`
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import README, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, environment_text, replace_block
 from bench.harness import (
     BenchError,
     Harness,
@@ -295,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
-    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    ap.add_argument(
+        "--readme",
+        type=Path,
+        default=BENCHMARKS_PAGE,
+        help="the docs page that --write-readme rewrites (default: %(default)s)",
+    )
     args = ap.parse_intermixed_args(argv)
     if args.budgets < 6:
         ap.error("--budgets must be at least 6")

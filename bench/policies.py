@@ -1,7 +1,7 @@
 """Every policy and every loss head side by side: step time, memory and FLOPs as ratios, measured and estimated.
 
     python -m bench.policies                                   # CPU: tiny, every policy; loss heads at vocab 32768
-    python -m bench.policies --models tiny,llama-tiny --write-readme    # the README's bench-table block
+    python -m bench.policies --models tiny,llama-tiny --write-readme    # docs/benchmarks.md's bench-table block
     python -m bench.policies --model micro --rounds 2 --head-vocab 4096 # a smoke run (seconds)
     python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench._readme import README, ROOT, replace_block
+from bench._readme import BENCHMARKS_PAGE, ROOT, replace_block
 from bench.harness import (
     BenchError,
     Harness,
@@ -558,8 +558,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk-tokens", type=int, help="loss.chunk_tokens of chunked/fused (default: tokens/4, ≤ conf)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1)")
     ap.add_argument("--out", type=Path, help="folder for results.csv/.json/table.md (default runs/bench/<stamp>)")
-    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the README block between {START} and {END}")
-    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the docs block between {START} and {END}")
+    ap.add_argument(
+        "--readme",
+        type=Path,
+        default=BENCHMARKS_PAGE,
+        help="the docs page that --write-readme rewrites (default: %(default)s)",
+    )
     args = ap.parse_intermixed_args(argv)
     args.models = list(dict.fromkeys([*(args.model or []), *(args.models or [])])) or ["tiny"]
     if args.head_model is not None:

@@ -1,7 +1,7 @@
 """Every policy against `none`: measured activation peak and FLOPs of one training step, as a markdown table.
 
     python -m bench.policy_table                  # print the table (the conf defaults: model=tiny, 4×256 tokens)
-    python -m bench.policy_table --write-readme   # also rewrite the README block between the policy-table markers
+    python -m bench.policy_table --write-readme   # also rewrite the docs block between the policy-table markers
     python -m bench.policy_table --model llama-tiny model.attention=sdpa   # another model, Hydra overrides
 
 One process, one configuration composed as train.py composes it (`trainer.core.schema.compose_config`; precision=auto
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import README, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, environment_text, replace_block
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB
@@ -120,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on shared cores)")
     ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
-    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    ap.add_argument(
+        "--readme",
+        type=Path,
+        default=BENCHMARKS_PAGE,
+        help="the docs page that --write-readme rewrites (default: %(default)s)",
+    )
     args = ap.parse_intermixed_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The benchmarks' plumbing on tiny shapes (model=micro, seq 32): every figure from the one step and the one
-estimator, every registered policy and loss head a row, the header naming where it ran, the README block writer.
+estimator, every registered policy and loss head a row, the header naming where it ran, the docs block writer.
 Timings are never asserted; bytes and FLOPs are exact and are."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from bench import planner as bench_planner
 from bench import policies as bench
 from bench import policy_table
-from bench._readme import cpu_name, replace_block
+from bench._readme import BENCHMARKS_PAGE, cpu_name, replace_block
 from tests.conftest import ROOT
 from trainer.policies import POLICIES, Plan
 from trainer.precision import cpu_bf16_native, resolve
@@ -32,10 +32,10 @@ HEAD_VOCAB = 4096
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of every policy and every loss head (under none and full) at the micro shape, written to a copy of
-    the README."""
+    the benchmarks page (docs/benchmarks.md, where its table lives)."""
     tmp = tmp_path_factory.mktemp("bench")
-    readme = tmp / "README.md"
-    readme.write_text((ROOT / "README.md").read_text())
+    readme = tmp / "benchmarks.md"
+    readme.write_text(BENCHMARKS_PAGE.read_text())
     args = [*MICRO, "--rounds", "2", "--overhead-steps", "2", "--head-vocab", str(HEAD_VOCAB)]
     args += ["--out", str(tmp / "out"), "--write-readme", "--readme", str(readme)]
     stdout = io.StringIO()
@@ -131,7 +131,7 @@ def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
     assert "| predicted: profile | ÷ measured | predicted: roofline |" in table
     assert "Ranking of the uniform treatments by step time:" in table
     # --write-readme on the copy: the block between the markers is the printed one, the rest as it was
-    before, after = (ROOT / "README.md").read_text(), micro_run["readme"].read_text()
+    before, after = BENCHMARKS_PAGE.read_text(), micro_run["readme"].read_text()
     assert f"{bench.START}\n{table}\n{bench.END}" in after
     assert after.split(bench.START)[0] == before.split(bench.START)[0]
     assert after.split(bench.END)[1] == before.split(bench.END)[1]

@@ -39,7 +39,7 @@ e.g. selective for a model with no attention seam, or an estimate the fake tenso
 and marked in the summary).
 
 Written to --out as each family finishes: rows.jsonl (one JSON row per line, what --resume reads), results.json,
-results.csv and summary.md; `--write-readme` puts summary.md between the hf-families markers of README.md.
+results.csv and summary.md; `--write-readme` puts summary.md between the hf-families markers of docs/hf-families.md.
 
 Inside: `configs` (the tiny config), `family` (one family's row) and `sweep` (the sweep, its results, the command
 line: `python -m bench.hf_families`).

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._readme import README, ROOT, cpu_name, replace_block
+from bench._readme import HF_FAMILIES_PAGE, ROOT, cpu_name, replace_block
 from bench.hf_families.family import (
     ESTIMATE_SLACK_BYTES,
     LOSS_TOLERANCE,
@@ -351,7 +351,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--memory-mib", type=int, default=MEMORY_MIB, help=f"each family's memory cap in MiB (default {MEMORY_MIB})"
     )
     ap.add_argument("--write-readme", action="store_true", help=f"put the table between {START} and {END}")
-    ap.add_argument("--readme", type=Path, default=README, help="the README that --write-readme rewrites")
+    ap.add_argument(
+        "--readme",
+        type=Path,
+        default=HF_FAMILIES_PAGE,
+        help="the docs page that --write-readme rewrites (default: %(default)s)",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one family
     ap.add_argument("--row", type=Path, help=argparse.SUPPRESS)  # where the child writes its row
     args = ap.parse_args(argv)
