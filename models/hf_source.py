@@ -89,8 +89,13 @@ class _Evaluator:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             return not self(node.operand)
         if isinstance(node, ast.BoolOp):
-            values = [self(v) for v in node.values]
-            return all(values) if isinstance(node.op, ast.And) else any(values)
+            # Short-circuit as Python does: `cap is not None and cap > 0` must not evaluate `None > 0`.
+            value = None
+            for operand in node.values:
+                value = self(operand)
+                if bool(value) is not isinstance(node.op, ast.And):
+                    return value
+            return value
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
             a, b, op = self(node.left), self(node.comparators[0]), node.ops[0]
             compare = {
@@ -104,7 +109,10 @@ class _Evaluator:
                 ast.LtE: lambda: a <= b,
             }
             if type(op) in compare:
-                return compare[type(op)]()
+                try:
+                    return compare[type(op)]()
+                except TypeError:  # a value this comparison cannot take (None > 0): not known, so refused
+                    raise _Unknown(ast.unparse(node)) from None
         raise _Unknown(ast.unparse(node))
 
 

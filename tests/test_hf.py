@@ -481,3 +481,26 @@ def test_a_scaled_head_input_is_the_models_own_scale(hf_models: dict[str, Path])
     model.__class__ = Fed
     found = hf_source.head_transform(model)
     assert isinstance(found, str) and "self.model.norm(hidden_states)" in found
+
+
+def test_the_source_reader_short_circuits_and_refuses_what_it_cannot_compare() -> None:
+    """`self.config.cap is not None and self.config.cap > 0` with cap=None raised TypeError at model load (both sides
+    were evaluated): `and`/`or` now stop as Python does, and a comparison a value cannot take is not known (the
+    caller's one-line refusal), never a traceback."""
+    import ast
+    import types
+
+    from models.hf_source import _Evaluator, _Unknown
+
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(cap=None, scale=2.0)  # type: ignore[assignment]
+    ev = _Evaluator(model)
+
+    def evaluate(src: str) -> object:
+        return ev(ast.parse(src, mode="eval").body)
+
+    assert evaluate("self.config.cap is not None and self.config.cap > 0") is False
+    assert evaluate("self.config.cap is None or self.config.cap > 0") is True
+    assert evaluate("self.config.scale and self.config.scale > 1") is True
+    with pytest.raises(_Unknown):
+        evaluate("self.config.cap > 0")
