@@ -135,12 +135,19 @@ def test_a_plain_lightning_trainer_trains_as_under_none() -> None:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def hf_run(folder: Path, policy: str, out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def hf_run(
+    folder: Path, policy: str, out: Path, attention: str = "sdpa", cached: list[bool] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`cached`: whether each training forward returned a KV cache, appended per forward."""
     import transformers
 
     transformers.set_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.use_cache = True  # transformers' default, which the HF Trainer leaves as it is
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     apply_policy(model, policy)
+    if cached is not None:
+        model.register_forward_hook(lambda m, a, out: cached.append(getattr(out, "past_key_values", None) is not None))
     data = [{"input_ids": row, "labels": row} for idx, _ in batches(STEPS) for row in idx]  # B rows a step
     args = transformers.TrainingArguments(
         output_dir=str(out),
@@ -169,3 +176,54 @@ def test_the_hugging_face_trainer_trains_as_under_none(hf_models: dict[str, Path
     losses, got = hf_run(hf_models["llama"], "full", tmp_path / "full")
     assert len(losses) == STEPS and losses == want_losses
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_hugging_face_trainer_runs_recompute_without_the_kv_cache(
+    hf_models: dict[str, Path], tmp_path: Path, attention: str
+) -> None:
+    """With use_cache=True (transformers' default) a recomputed layer appended its keys and values to the cache a
+    second time: under eager attention the first backward failed (a size mismatch), under SDPA the cache held every
+    layer's keys and values through the step. A recomputing policy turns the cache off in training forwards."""
+    pytest.importorskip("transformers")
+    want_losses, want = hf_run(hf_models["llama"], "none", tmp_path / "none", attention)
+    # selective recomputes the attention core where there is one (eager); under SDPA it runs as none
+    for policy in ("full", "op_sac", *(["selective"] if attention == "eager" else [])):
+        cached: list[bool] = []
+        losses, got = hf_run(hf_models["llama"], policy, tmp_path / policy, attention, cached)
+        assert cached and not any(cached), policy
+        assert losses == pytest.approx(want_losses, rel=1e-5), policy
+        assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in want), policy
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_recomputed_hugging_face_model_in_your_own_loop_drops_its_kv_cache(attention: str) -> None:
+    """`model(input_ids=x, labels=x)` on a LlamaForCausalLM whose config keeps transformers' default use_cache=True:
+    under eager attention the first backward failed (the recompute appended the layer's keys and values to the cache
+    again: a size mismatch), under SDPA the cache held every layer's keys and values through the step. In training
+    the cache is off under a recomputing policy, and gradients equal none's; eval keeps it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=True,
+    )
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for policy in ("none", "full", "op_sac"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attention).train()
+        apply_policy(model, policy)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        if policy != "none":
+            assert out.past_key_values is None, policy
+        grads[policy] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            assert model.eval()(input_ids=x).past_key_values is not None  # eval and generation keep the cache
+    for policy in ("full", "op_sac"):
+        assert all(torch.equal(grads[policy][n], g) for n, g in grads["none"].items()), policy

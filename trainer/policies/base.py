@@ -124,6 +124,7 @@ class Policy:
     Config: ClassVar[type[PolicyConfig]] = PolicyConfig
     treatment: ClassVar[bool] = False  # a way to run one block that per_block and auto can name
     recomputes_core: ClassVar[bool] = False  # wraps the attention seam in a checkpoint (selective)
+    recomputes: ClassVar[bool] = False  # replays its blocks' forward (or ops of it) in backward (full, op_sac)
     # Its plan is chosen on the model before it runs (auto: at fit start, by the callback it brings); until then a
     # table says `unplanned` for it.
     planned_first: ClassVar[bool] = False

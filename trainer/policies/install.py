@@ -5,6 +5,8 @@ group runner that makes several blocks one region."""
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +17,8 @@ from torch import nn
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.errors import PolicyError
 from trainer.policies.base import Plan, Policy, Segment, build_policy, checkpointed, no_seam_refusal, resolve_plan
+
+log = logging.getLogger(__name__)
 
 
 def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig | str) -> Policy:
@@ -38,18 +42,49 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
         )
     remove_policy(model)
     install_plan(adapter, plan, policy)
+    if any(
+        policy.treatment_policy(s.treatment).recomputes or policy.treatment_policy(s.treatment).recomputes_core
+        for s in plan.segments
+    ):
+        _no_kv_cache_in_training(model)
     model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
     model.activation_plan = plan  # type: ignore[assignment]
     return policy
 
 
 def remove_policy(model: nn.Module) -> None:
+    hook = model.__dict__.pop("_no_kv_cache_hook", None)
+    if hook is not None:
+        hook.remove()
     adapter = adapter_for(model)
     for i in range(adapter.n_layer):
         adapter.override_forward(i, None)
         adapter.wrap_core_attention(i, None)
     model.__dict__.pop("activation_policy", None)
     model.__dict__.pop("activation_plan", None)
+
+
+_KV_CACHE_NOTICE = (
+    "use_cache=False while training: a recomputed layer would append its keys and values to the KV cache a second "
+    "time (eager attention then fails in backward), and the cache would hold every layer's through the step; eval "
+    "and generation keep the cache"
+)
+
+
+def _no_kv_cache_in_training(model: nn.Module) -> None:
+    """A model that takes `use_cache` (Hugging Face's) runs training forwards without its KV cache, as transformers'
+    own gradient checkpointing does: the recompute replays the layer's cache update. Eval and generation keep it."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False) or "use_cache" not in inspect.signature(model.forward).parameters:
+        return
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
+        if module.training and kwargs.get("use_cache") is not False:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    model.__dict__["_no_kv_cache_hook"] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    log.info("%s: %s", type(model).__name__, _KV_CACHE_NOTICE)
 
 
 def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:

@@ -109,6 +109,7 @@ class OpLevelSAC(Policy):
 
     name = "op_sac"
     treatment = True
+    recomputes = True
     Config = OpSacConfig
 
     @functools.cached_property
@@ -132,6 +133,7 @@ class FullRecompute(Policy):
 
     name = "full"
     treatment = True
+    recomputes = True
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x)
