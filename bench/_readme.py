@@ -16,8 +16,8 @@ __all__ = [
     "BENCHMARKS_PAGE",
     "DOCS",
     "HF_FAMILIES_PAGE",
-    "README",
     "ROOT",
+    "STEP_TIME_PAGE",
     "cpu_name",
     "environment",
     "environment_text",
@@ -25,10 +25,10 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BENCHMARKS_PAGE = DOCS / "benchmarks.md"  # the measured tables, each between its markers
 HF_FAMILIES_PAGE = DOCS / "hf-families.md"  # the family sweep's table
+STEP_TIME_PAGE = DOCS / "step-time.md"  # the estimator's predicted step per policy (bench.step_time_table)
 
 
 def replace_block(path: Path, start: str, end: str, block: str, heading: str) -> None:

@@ -1,7 +1,7 @@
 """`policy=auto` across memory budgets, beside the fastest uniform policy that fits: measured peak and step time.
 
     python -m bench.planner                  # print the tables (the conf defaults: model=tiny, 4×256 tokens)
-    python -m bench.planner --write-readme   # also rewrite the docs block between the planner-table markers
+    python -m bench.planner --write-docs     # also rewrite docs/benchmarks.md's planner-table and planner-accuracy
     python -m bench.planner --model llama-tiny --budgets 6 --reps 3
 
 One process, one configuration composed as train.py composes it with `policy=auto`
@@ -23,6 +23,10 @@ batch of random tokens (bench/harness.py):
    step as Lightning runs it: peak = `trainer.core.step.StepMeter`'s whole-step figure (what a run reports as
    `peak_total_mib`, the figure the budget bounds); time = median over `--reps` rounds interleaved across plans
    (order rotated), so load on a shared machine spreads over all plans alike.
+
+`--write-docs` puts the tables between docs/benchmarks.md's planner-table markers, and the paragraph on how close
+both step-time sources came and whether `auto` ever lost to a uniform plan (`accuracy`) between its
+planner-accuracy markers.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, ROOT, environment_text, replace_block
+from bench.accuracy import WORDS, Point, rankings_text, sources_text
 from bench.harness import (
     BenchError,
     Harness,
@@ -67,7 +72,9 @@ from trainer.policies import Plan, Policy, PolicyError, build_policy
 
 START, END = "<!-- planner-table:start -->", "<!-- planner-table:end -->"
 HEADING = "## Measured: `policy=auto` across memory budgets"
-COMMAND = "python -m bench.planner --write-readme"
+ACCURACY_START, ACCURACY_END = "<!-- planner-accuracy:start -->", "<!-- planner-accuracy:end -->"
+ACCURACY_HEADING = "## How close: step time predicted vs measured"
+COMMAND = "python -m bench.planner --write-docs"
 
 
 def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu") -> dict[str, Any]:
@@ -285,6 +292,45 @@ def header(out: dict[str, Any], command: str = COMMAND) -> str:
     )
 
 
+def accuracy(outs: Sequence[dict[str, Any]], command: str = COMMAND) -> str:
+    """How close the profile and the roofline came to the measured uniform plans, how each ranks them, and whether
+    `policy=auto` ever took a plan slower than the fastest uniform one that fits: one paragraph over every model."""
+    points, slower, budgets = [], [], 0
+    for out in outs:
+        model = out["config"].model.name
+        for t in out["predicted"]:
+            u = out["uniform"][t]
+            points.append(Point(model, t, u["ms"], u["spread"], out["profile_ms"][t], out["roofline"][t]))
+        for row in out["rows"]:
+            u, m = row.get("uniform"), row.get("measured")
+            if u is None or m is None:
+                continue  # nothing uniform fits, or the planner refused: no comparison
+            budgets += 1
+            um = out["uniform"][u]
+            ratio = m["ms"] / um["ms"]
+            if round(ratio, 2) <= 1:
+                continue
+            inside = m["ms"] * (1 - m["spread"]) <= um["ms"] * (1 + um["spread"])
+            lo, hi = sorted((round(100 * m["spread"]), round(100 * um["spread"])))
+            noise = f"±{lo} %" if lo == hi else f"±{lo}–{hi} %"
+            slower.append(
+                f"`{model}` at {row['budget_mib']:g} MiB: {ratio:.2f}×, {'inside' if inside else 'outside'} that "
+                f"row's {noise} noise"
+            )
+    if not points:
+        return ""
+    text = f"From `{command}` ({environment_text(outs[0]['env'])}): {sources_text(points)}."
+    ranks = rankings_text(points)
+    text += f" {ranks}." if ranks else ""
+    if budgets:
+        but = "" if not slower else " but one" if len(slower) == 1 else f" but {WORDS.get(len(slower), len(slower))}"
+        text += (
+            " `policy=auto` took a plan at most as slow as the fastest uniform plan that fits at every budget"
+            f"{but}" + (f" ({'; '.join(slower)})" if slower else "") + "."
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.planner", description=(__doc__ or "").splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (default: the conf defaults)")
@@ -294,12 +340,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
-    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
     ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"rewrite the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END} of "
+        "--page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
         "--readme",
+        dest="page",
         type=Path,
         default=BENCHMARKS_PAGE,
-        help="the docs page that --write-readme rewrites (default: %(default)s)",
+        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
+        "--readme: the same)",
     )
     args = ap.parse_intermixed_args(argv)
     if args.budgets < 6:
@@ -315,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",") if args.models else [args.model] if args.model else [None]
     which = ["--models", args.models] if args.models else ["--model", args.model] if args.model else []
     command = f"{COMMAND} {' '.join([*which, *args.overrides])}".rstrip()
-    blocks = []
+    blocks, outs = [], []
     for model in models:
         overrides = ([f"model={model}"] if model else []) + list(args.overrides)
         try:
@@ -323,13 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        outs.append(out)
         text = header(out, command) + "\n\n" + tables(out)
         blocks.append(text if len(models) == 1 else f"**{model}**\n\n{text}")
     block = "\n\n".join(blocks)
-    print(block)
-    if args.write_readme:
-        replace_block(args.readme, START, END, block, HEADING)
-        print(f"\nwrote {args.readme}", file=sys.stderr)
+    close = accuracy(outs, command)
+    print(block + ("\n\n" + close if close else ""))
+    if args.write_docs:
+        replace_block(args.page, START, END, block, HEADING)
+        if close:
+            replace_block(args.page, ACCURACY_START, ACCURACY_END, close, ACCURACY_HEADING)
+        print(f"\nwrote {args.page}", file=sys.stderr)
     return 0
 
 

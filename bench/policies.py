@@ -1,7 +1,7 @@
 """Every policy and every loss head side by side: step time, memory and FLOPs as ratios, measured and estimated.
 
     python -m bench.policies                                   # CPU: tiny, every policy; loss heads at vocab 32768
-    python -m bench.policies --models tiny,llama-tiny --write-readme    # docs/benchmarks.md's bench-table block
+    python -m bench.policies --models tiny,llama-tiny --write-docs      # docs/benchmarks.md's two blocks
     python -m bench.policies --model micro --rounds 2 --head-vocab 4096 # a smoke run (seconds)
     python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
@@ -39,6 +39,9 @@ steps, so no variant gets other weights or another batch.
 
 Targets (reported, never asserted): full ≤ 1.35× none step time; selective (eager attention) ≤ 1.10×; Lightning
 ≤ 1.02× the bare loop; activation peak of full ≤ 1/4 of none.
+
+`--write-docs` puts the report between docs/benchmarks.md's bench-table markers, and the paragraph on how close
+both step-time sources came (`policies_report.accuracy`) between its bench-accuracy markers.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ from bench.harness import (
     spread,
     sync,
 )
-from bench.policies_report import report, targets
+from bench.policies_report import ACCURACY_END, ACCURACY_START, accuracy, report, targets
 from trainer.core.schema import Config, describe_user_error
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
@@ -89,6 +92,7 @@ from trainer.policies import Policy, policy_params
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"
+ACCURACY_HEADING = "## How close: step time predicted vs measured"
 COMMAND = "python -m bench.policies"
 CONF = ROOT / "conf"
 HEAD_VOCAB = 32768  # a BPE vocabulary (LLaMA-2's is 32000)
@@ -511,17 +515,19 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         for r in result["rows"]:
             w.writerow({k: ("" if r.get(k) is None else r[k]) for k in keys})
     (out / "table.md").write_text(report(result) + "\n")
+    (out / "accuracy.md").write_text(accuracy(result) + "\n")
 
 
 def command_line(argv: list[str]) -> str:
-    """The command to rerun: this one's arguments without --out/--readme/--write-readme (the header adds it)."""
+    """The command to rerun: this one's arguments without --out/--page/--write-docs (the header adds --write-docs)
+    or their former names --readme/--write-readme."""
     kept, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--out", "--readme"):
+        elif a in ("--out", "--page", "--readme"):
             skip = True
-        elif not (a.startswith(("--out=", "--readme=")) or a == "--write-readme"):
+        elif not (a.startswith(("--out=", "--page=", "--readme=")) or a in ("--write-docs", "--write-readme")):
             kept.append(a)
     return " ".join([COMMAND, *kept])
 
@@ -557,13 +563,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--head-policies", default="none,full", help="policies each loss head runs under (none,full)")
     ap.add_argument("--chunk-tokens", type=int, help="loss.chunk_tokens of chunked/fused (default: tokens/4, ≤ conf)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1)")
-    ap.add_argument("--out", type=Path, help="folder for results.csv/.json/table.md (default runs/bench/<stamp>)")
-    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the docs block between {START} and {END}")
     ap.add_argument(
+        "--out", type=Path, help="folder for results.csv/.json, table.md, accuracy.md (default runs/bench/<stamp>)"
+    )
+    ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"rewrite the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END} of "
+        "--page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
         "--readme",
+        dest="page",
         type=Path,
         default=BENCHMARKS_PAGE,
-        help="the docs page that --write-readme rewrites (default: %(default)s)",
+        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
+        "--readme: the same)",
     )
     args = ap.parse_intermixed_args(argv)
     args.models = list(dict.fromkeys([*(args.model or []), *(args.models or [])])) or ["tiny"]
@@ -605,12 +623,14 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = targets(result)
     out = args.out or ROOT / "runs" / "bench" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     write_outputs(result, out)
-    block = report(result)
-    print(block)
-    print(f"\nwrote {out}/results.csv, results.json, table.md", file=sys.stderr)
-    if args.write_readme:
-        replace_block(args.readme, START, END, block, HEADING)
-        print(f"wrote {args.readme} ({START} … {END})", file=sys.stderr)
+    block, close = report(result), accuracy(result)
+    print(block + ("\n\n" + close if close else ""))
+    print(f"\nwrote {out}/results.csv, results.json, table.md, accuracy.md", file=sys.stderr)
+    if args.write_docs:
+        replace_block(args.page, START, END, block, HEADING)
+        if close:
+            replace_block(args.page, ACCURACY_START, ACCURACY_END, close, ACCURACY_HEADING)
+        print(f"wrote {args.page} ({START} … {END}, {ACCURACY_START} … {ACCURACY_END})", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Every policy against `none`: measured activation peak and FLOPs of one training step, as a markdown table.
 
     python -m bench.policy_table                  # print the table (the conf defaults: model=tiny, 4×256 tokens)
-    python -m bench.policy_table --write-readme   # also rewrite the docs block between the policy-table markers
+    python -m bench.policy_table --write-docs     # also rewrite docs/benchmarks.md's policy-table block
     python -m bench.policy_table --model llama-tiny model.attention=sdpa   # another model, Hydra overrides
 
 One process, one configuration composed as train.py composes it (`trainer.core.schema.compose_config`; precision=auto
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, ROOT, environment_text, replace_block
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB
@@ -36,7 +36,7 @@ from trainer.policies import policy_params
 
 START, END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
 HEADING = "## Measured: every policy against `none`"
-COMMAND = "python -m bench.policy_table --write-readme"
+COMMAND = "python -m bench.policy_table --write-docs"
 
 
 def run(overrides: list[str], device: str = "cpu") -> dict[str, Any]:
@@ -119,12 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a conf/model option (model=…)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on shared cores)")
-    ap.add_argument("--write-readme", action="store_true", help=f"rewrite the block between {START} and {END}")
     ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"rewrite the block between {START} and {END} of --page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
         "--readme",
+        dest="page",
         type=Path,
         default=BENCHMARKS_PAGE,
-        help="the docs page that --write-readme rewrites (default: %(default)s)",
+        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
+        "--readme: the same)",
     )
     args = ap.parse_intermixed_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -140,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = " ".join([*(["--model", args.model] if args.model else []), *args.overrides])
     block = header(out, f"{COMMAND} {extra}".rstrip()) + "\n\n" + table(out)
     print(block)
-    if args.write_readme:
-        replace_block(args.readme, START, END, block, HEADING)
-        print(f"\nwrote {args.readme}", file=sys.stderr)
+    if args.write_docs:
+        replace_block(args.page, START, END, block, HEADING)
+        print(f"\nwrote {args.page}", file=sys.stderr)
     return 0
 
 

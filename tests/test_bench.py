@@ -1,6 +1,7 @@
 """The benchmarks' plumbing on tiny shapes (model=micro, seq 32): every figure from the one step and the one
-estimator, every registered policy and loss head a row, the header naming where it ran, the docs block writer.
-Timings are never asserted; bytes and FLOPs are exact and are."""
+estimator, every registered policy and loss head a row, the header naming where it ran, the docs block writer (each
+table on its docs page, between its markers), the paragraphs on how close the step-time sources came, and the
+estimator's step-time table. Timings are never asserted; bytes and FLOPs are exact and are."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import torch
 
 from bench import planner as bench_planner
 from bench import policies as bench
-from bench import policy_table
-from bench._readme import BENCHMARKS_PAGE, cpu_name, replace_block
+from bench import policy_table, step_time_table
+from bench._readme import BENCHMARKS_PAGE, STEP_TIME_PAGE, cpu_name, replace_block
+from bench.accuracy import Point, rankings_text, sources_text
+from bench.policies_report import ACCURACY_END, ACCURACY_START
 from tests.conftest import ROOT
 from trainer.policies import POLICIES, Plan
 from trainer.precision import cpu_bf16_native, resolve
@@ -34,16 +37,16 @@ def micro_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of every policy and every loss head (under none and full) at the micro shape, written to a copy of
     the benchmarks page (docs/benchmarks.md, where its table lives)."""
     tmp = tmp_path_factory.mktemp("bench")
-    readme = tmp / "benchmarks.md"
-    readme.write_text(BENCHMARKS_PAGE.read_text())
+    page = tmp / "benchmarks.md"
+    page.write_text(BENCHMARKS_PAGE.read_text())
     args = [*MICRO, "--rounds", "2", "--overhead-steps", "2", "--head-vocab", str(HEAD_VOCAB)]
-    args += ["--out", str(tmp / "out"), "--write-readme", "--readme", str(readme)]
+    args += ["--out", str(tmp / "out"), "--write-docs", "--page", str(page)]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = bench.main(args)
     assert rc == 0
     data = json.loads((tmp / "out" / "results.json").read_text())
-    return {"out": tmp / "out", "readme": readme, "printed": stdout.getvalue(), "data": data}
+    return {"out": tmp / "out", "page": page, "printed": stdout.getvalue(), "data": data}
 
 
 def _rows(data: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
@@ -98,7 +101,15 @@ def test_loss_heads_are_rows_with_the_heads_share(micro_run: dict[str, Any]) -> 
     assert heads["none/standard"]["activation_mib"] > 2 * _rows(micro_run["data"], "policy")["none"]["activation_mib"]
 
 
-def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
+def _outside(text: str, *markers: tuple[str, str]) -> str:
+    """The page with each marked block's content left out: what a block writer must leave as it was."""
+    for start, end in markers:
+        pre, rest = text.split(start, 1)
+        text = pre + start + end + rest.split(end, 1)[1]
+    return text
+
+
+def test_outputs_header_and_docs_blocks(micro_run: dict[str, Any]) -> None:
     out, data, printed = micro_run["out"], micro_run["data"], micro_run["printed"]
     with (out / "results.csv").open() as f:
         csv_rows = list(csv.DictReader(f))
@@ -130,11 +141,17 @@ def test_outputs_header_and_readme_block(micro_run: dict[str, Any]) -> None:
     assert rows["every_k"]["pred_profile_ms"] is None and rows["every_k"]["pred_roofline_ms"] > 0
     assert "| predicted: profile | ÷ measured | predicted: roofline |" in table
     assert "Ranking of the uniform treatments by step time:" in table
-    # --write-readme on the copy: the block between the markers is the printed one, the rest as it was
-    before, after = BENCHMARKS_PAGE.read_text(), micro_run["readme"].read_text()
+    # --write-docs on a copy of the page: each block between its markers is the printed one, the rest as it was
+    accuracy = (out / "accuracy.md").read_text().strip()
+    assert accuracy in printed and accuracy.startswith("From `python -m bench.policies --model micro")
+    before, after = BENCHMARKS_PAGE.read_text(), micro_run["page"].read_text()
     assert f"{bench.START}\n{table}\n{bench.END}" in after
+    assert f"{ACCURACY_START}\n{accuracy}\n{ACCURACY_END}" in after
     assert after.split(bench.START)[0] == before.split(bench.START)[0]
-    assert after.split(bench.END)[1] == before.split(bench.END)[1]
+    blocks = ((bench.START, bench.END), (ACCURACY_START, ACCURACY_END))
+    assert _outside(after, *blocks) == _outside(before, *blocks)
+    for start, end in blocks:
+        assert after.count(start) == after.count(end) == 1
 
 
 def test_several_models_in_one_run(tmp_path: Path) -> None:
@@ -162,11 +179,11 @@ def test_policy_table_agrees_with_the_benchmark(micro_run: dict[str, Any], tmp_p
         assert r["plan"] == measured[r["name"]]["plan"]
     text = policy_table.header(out) + "\n\n" + policy_table.table(out)
     assert cpu_name() in text and "| `full` | `[0-1]:full` |" in text
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{policy_table.START}\nold\n{policy_table.END}\ntail\n")
+    page = tmp_path / "benchmarks.md"  # --write-readme/--readme: the former names of --write-docs/--page
+    page.write_text(f"# x\n\n{policy_table.START}\nold\n{policy_table.END}\ntail\n")
     with contextlib.redirect_stdout(io.StringIO()):
-        assert policy_table.main(["--model", "micro", "seq_len=32", "--write-readme", "--readme", str(readme)]) == 0
-    lines = readme.read_text().splitlines()
+        assert policy_table.main(["--model", "micro", "seq_len=32", "--write-readme", "--readme", str(page)]) == 0
+    lines = page.read_text().splitlines()
     assert lines[:3] == ["# x", "", policy_table.START] and lines[-2:] == [policy_table.END, "tail"]
     assert len(lines) == 3 + 2 + 2 + len(out["rows"]) + 2  # header, blank, table head, rows
 
@@ -201,16 +218,16 @@ def test_a_policy_the_model_refuses_fails_in_one_line(capsys: pytest.CaptureFixt
     assert err.startswith("error: --policies every_k: policy every_k: policy.k=2 must be between 1 and")
 
 
-def test_readme_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
+def test_docs_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
     start, end = bench.START, bench.END
-    readme = tmp_path / "README.md"
+    page = tmp_path / "benchmarks.md"
     before = "# title\n\n<!-- policy-table:start -->\nother block\n<!-- policy-table:end -->\n\n## Bench\n\n"
     after = "\n\ntrailing text\n"
-    readme.write_text(f"{before}{start}\nold table\n{end}{after}")
-    replace_block(readme, start, end, "new table\nline 2", bench.HEADING)
-    assert readme.read_text() == f"{before}{start}\nnew table\nline 2\n{end}{after}"
-    replace_block(readme, start, end, "newer", bench.HEADING)  # again: still one block, the rest untouched
-    assert readme.read_text() == f"{before}{start}\nnewer\n{end}{after}"
+    page.write_text(f"{before}{start}\nold table\n{end}{after}")
+    replace_block(page, start, end, "new table\nline 2", bench.HEADING)
+    assert page.read_text() == f"{before}{start}\nnew table\nline 2\n{end}{after}"
+    replace_block(page, start, end, "newer", bench.HEADING)  # again: still one block, the rest untouched
+    assert page.read_text() == f"{before}{start}\nnewer\n{end}{after}"
     fresh = tmp_path / "FRESH.md"  # no markers yet: a section holding them is appended
     fresh.write_text("# title\n\nbody\n")
     replace_block(fresh, start, end, "table", bench.HEADING)
@@ -220,6 +237,115 @@ def test_readme_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
 def test_command_line_to_rerun_drops_the_output_flags() -> None:
     args = ["--model", "gpt2", "--out", "/tmp/x", "--device", "cuda", "--write-readme", "--out=/y", "--readme", "R"]
     assert bench.command_line(args) == "python -m bench.policies --model gpt2 --device cuda"
+    args = ["--model", "gpt2", "--write-docs", "--page", "P", "--device", "cuda", "--page=Q"]
+    assert bench.command_line(args) == "python -m bench.policies --model gpt2 --device cuda"
+
+
+def test_the_benchmark_tables_live_on_their_docs_pages() -> None:
+    """Every block a benchmark writes sits on its docs page, between its markers, once."""
+    pages = {
+        BENCHMARKS_PAGE: [
+            (policy_table.START, policy_table.END),
+            (bench.START, bench.END),
+            (ACCURACY_START, ACCURACY_END),
+            (bench_planner.START, bench_planner.END),
+            (bench_planner.ACCURACY_START, bench_planner.ACCURACY_END),
+        ],
+        STEP_TIME_PAGE: [(step_time_table.START, step_time_table.END)],
+    }
+    for page, markers in pages.items():
+        text = page.read_text()
+        for start, end in markers:
+            assert text.count(start) == text.count(end) == 1 and text.index(start) < text.index(end), (page, start)
+
+
+def _point(model: str, policy: str, ms: float, profile: float, roofline: float, spread: float = 0.05) -> Point:
+    return Point(model, policy, ms, spread, profile, roofline)
+
+
+def test_how_close_names_the_range_the_misses_and_the_swaps() -> None:
+    points = [
+        _point("tiny", "none", 100, 102, 90),
+        _point("tiny", "full", 130, 127, 117),
+        _point("llama", "none", 100, 101, 88),
+        _point("llama", "op_sac", 120, 118, 98, spread=0.07),  # the roofline 18.3 % low: beyond its 15 %
+        _point("llama", "full", 110, 111, 100, spread=0.12),
+    ]
+    text = sources_text(points, {"profile": 0.05, "roofline": 0.15})
+    assert text == (
+        "the profile's prediction lies within 0.9–2.3 % of the measured step for every uniform policy on `tiny` and "
+        "`llama`, low in 2 of 5 rows; the roofline within 9.1–12.0 % (except `op_sac` on `llama`, 18.3 % low), "
+        "low in every row"
+    )
+    assert "except" not in sources_text(points)  # without targets, every row is in the range
+    assert rankings_text(points) == (
+        "The profile ranks the uniform policies as measured on `tiny` and `llama`; the roofline ranks them as "
+        "measured on `tiny` and swaps `op_sac` and `full` on `llama`, whose measured times lie within their noise "
+        "(120 ms ±7 % vs 110 ms ±12 %)"
+    )
+    far = [_point("m", "none", 100, 100, 90, spread=0.01), _point("m", "full", 130, 131, 80, spread=0.01)]
+    assert rankings_text(far).endswith("whose measured times lie outside their noise (130 ms ±1 % vs 100 ms ±1 %)")
+
+
+def test_planner_accuracy_says_where_auto_lost_to_a_uniform_plan() -> None:
+    from types import SimpleNamespace
+
+    uniform = {"none": {"ms": 395.0, "spread": 0.04}, "selective": {"ms": 424.0, "spread": 0.05}}
+    rows = [
+        {"budget_mib": 260.2, "uniform": "none", "measured": {"ms": 395.0, "spread": 0.04}},
+        {"budget_mib": 207.1, "uniform": "selective", "measured": {"ms": 432.0, "spread": 0.04}},
+        {"budget_mib": 100.9, "uniform": None, "measured": {"ms": 506.0, "spread": 0.03}},  # none fits: no comparison
+    ]
+    env = {"date": "d", "torch": "t", "device": "cpu", "cpu": "c", "cpu_bf16_native": False, "threads": 1}
+    env |= {"precision_requested": "32-true", "precision": "32-true"}
+    out = {
+        "config": SimpleNamespace(model=SimpleNamespace(name="tiny")),
+        "predicted": dict.fromkeys(uniform),
+        "uniform": uniform,
+        "profile_ms": {"none": 386.0, "selective": 439.0},
+        "roofline": {"none": 352.0, "selective": 414.0},
+        "rows": rows,
+        "env": env,
+    }
+    text = bench_planner.accuracy([out], "python -m bench.planner --write-docs")
+    assert text.startswith("From `python -m bench.planner --write-docs` (d, torch t, CPU c (no native bf16")
+    assert "within 2.3–3.5 %" in text and "the roofline within 2.4–10.9 %, low in every row" in text
+    assert text.endswith(
+        "`policy=auto` took a plan at most as slow as the fastest uniform plan that fits at every budget but one "
+        "(`tiny` at 207.1 MiB: 1.02×, inside that row's ±4–5 % noise)."
+    )
+
+
+def test_step_time_table_is_the_estimators_figures(tmp_path: Path) -> None:
+    """bench.step_time_table prints what `python -m trainer.estimate … --gpu` predicts, per policy and GPU, and
+    --write-docs puts it between its markers of a copy of docs/step-time.md, the rest as it was."""
+    from trainer.estimate import main as estimate_main
+
+    overrides = ["model=micro", "seq_len=32"]
+    out = step_time_table.run(overrides, ["H100-80GB", "L4-24GB"], workers=1)
+    assert "auto" in out["left_out"] and "auto" not in out["estimates"]
+    assert list(out["estimates"]) == [n for n in POLICIES if n != "auto"]
+    for gpu in ("H100-80GB", "L4-24GB"):
+        path = tmp_path / f"{gpu}.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert estimate_main([*overrides, "--gpu", gpu, "--json", str(path)]) == 0
+        doc = json.loads(path.read_text())["all_policies"]
+        for name, e in out["estimates"].items():
+            assert out["times"][(name, gpu)].ms == pytest.approx(doc[name]["predicted_step"]["ms"], rel=1e-9)
+            assert e.flops == doc[name]["flops"] and e.plan == doc[name]["plan"]
+    page = tmp_path / "step-time.md"
+    page.write_text(STEP_TIME_PAGE.read_text())
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert step_time_table.main([*overrides, "--workers", "1", "--write-docs", "--page", str(page)]) == 0
+    block = stdout.getvalue().strip()
+    assert block.startswith("Generated by `python -m bench.step_time_table model=micro seq_len=32 --write-docs`")
+    assert "| policy | plan | FLOPs × none | H100-80GB step ms | tokens/s | L4-24GB step ms | tokens/s |" in block
+    assert "Not in the table: `auto`" in block
+    before, after = STEP_TIME_PAGE.read_text(), page.read_text()
+    start, end = step_time_table.START, step_time_table.END
+    assert f"{start}\n{block}\n{end}" in after
+    assert _outside(after, (start, end)) == _outside(before, (start, end))
 
 
 def test_gpu_script_parses() -> None:

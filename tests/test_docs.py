@@ -5,6 +5,8 @@ anchors fail there.)"""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import yaml
 
@@ -12,30 +14,57 @@ from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+MARKER = re.compile(r"<!-- ([\w-]+):(start|end) -->")
+GENERATED = {
+    "policy-table",
+    "bench-table",
+    "bench-accuracy",
+    "planner-table",
+    "planner-accuracy",
+    "hf-families",
+    "step-time-table",
+}
 
 
-def test_the_readme_is_a_front_page() -> None:
+def _pages(nav: Any) -> Iterator[str]:
+    """Every page a nav names, however deep its sections nest."""
+    if isinstance(nav, str):
+        yield nav
+    elif isinstance(nav, list):
+        for entry in nav:
+            yield from _pages(entry)
+    elif isinstance(nav, dict):
+        for value in nav.values():
+            yield from _pages(value)
+
+
+def test_the_readme_is_a_front_door() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 260
 
 
 def test_every_relative_link_of_the_readme_resolves() -> None:
-    targets = [t for t in LINK.findall((ROOT / "README.md").read_text()) if not t.startswith(("http", "#"))]
+    targets = [t for t in LINK.findall((ROOT / "README.md").read_text()) if not t.startswith(("http", "#", "mailto:"))]
     assert targets, "the README links to its docs"
     missing = [t for t in targets if not (ROOT / t.split("#")[0]).exists()]
     assert not missing, missing
 
 
 def test_every_docs_page_is_in_the_nav() -> None:
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
-    listed = {page for entry in nav for page in entry.values()}
-    assert listed == {p.name for p in DOCS.glob("*.md")}
+    listed = set(_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert pages - listed == set(), "pages the nav leaves out"
+    assert listed - pages == set(), "nav entries without a page"
 
 
-def test_each_generated_block_has_its_markers_once() -> None:
-    text = "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
-    names = set(re.findall(r"<!-- ([\w-]+):start -->", text))
-    assert {"policy-table", "bench-table", "planner-table", "hf-families"} <= names
-    for name in names:
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        assert text.count(start) == 1 and text.count(end) == 1, name
-        assert text.index(start) < text.index(end), name
+def test_each_marker_pair_appears_once_start_before_end() -> None:
+    found: dict[str, list[tuple[str, str, int]]] = {}
+    for page in sorted(DOCS.rglob("*.md")):
+        for m in MARKER.finditer(page.read_text()):
+            found.setdefault(m[1], []).append((page.name, m[2], m.start()))
+    assert set(found) >= GENERATED, f"blocks a benchmark writes, missing: {GENERATED - set(found)}"
+    assert not MARKER.search((ROOT / "README.md").read_text()), "the generated tables live in docs/, not the README"
+    for name, marks in found.items():
+        kinds = [kind for _, kind, _ in marks]
+        assert sorted(kinds) == ["end", "start"], (name, marks)  # one start and one end, in all of docs/
+        (page_a, first, at_a), (page_b, _, at_b) = marks
+        assert page_a == page_b and first == "start" and at_a < at_b, (name, marks)

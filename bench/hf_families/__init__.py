@@ -4,7 +4,7 @@
     python -m bench.hf_families --families llama,gpt2,mamba --jobs 2
     python -m bench.hf_families --policies full,selective --out runs/bench/hf_families/mine
     python -m bench.hf_families --resume runs/bench/hf_families/<stamp>   # go on where a sweep stopped
-    python -m bench.hf_families --render runs/bench/hf_families/<stamp> --write-readme   # table only, no run
+    python -m bench.hf_families --render runs/bench/hf_families/<stamp> --write-docs   # table only, no run
 
 The families are `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: the registry, not a
 hand list. For each one, in its own subprocess (a crash or a hang ends that family's row, not the sweep; `--timeout`
@@ -39,7 +39,8 @@ e.g. selective for a model with no attention seam, or an estimate the fake tenso
 and marked in the summary).
 
 Written to --out as each family finishes: rows.jsonl (one JSON row per line, what --resume reads), results.json,
-results.csv and summary.md; `--write-readme` puts summary.md between the hf-families markers of docs/hf-families.md.
+results.csv and summary.md; `--write-docs` (formerly `--write-readme`) puts summary.md between the hf-families markers
+of docs/hf-families.md.
 
 Inside: `configs` (the tiny config), `family` (one family's row) and `sweep` (the sweep, its results, the command
 line: `python -m bench.hf_families`).

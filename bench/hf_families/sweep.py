@@ -350,12 +350,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--memory-mib", type=int, default=MEMORY_MIB, help=f"each family's memory cap in MiB (default {MEMORY_MIB})"
     )
-    ap.add_argument("--write-readme", action="store_true", help=f"put the table between {START} and {END}")
     ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"put the table between {START} and {END} of --page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
         "--readme",
+        dest="page",
         type=Path,
         default=HF_FAMILIES_PAGE,
-        help="the docs page that --write-readme rewrites (default: %(default)s)",
+        help=f"the docs page that --write-docs rewrites (default: {HF_FAMILIES_PAGE.relative_to(ROOT)}; "
+        "--readme: the same)",
     )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one family
     ap.add_argument("--row", type=Path, help=argparse.SUPPRESS)  # where the child writes its row
@@ -376,7 +385,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def readme_markers_error(path: Path) -> str | None:
+def page_markers_error(path: Path) -> str | None:
     text = path.read_text() if path.is_file() else ""
     if START in text and END in text and text.index(START) < text.index(END):
         return None
@@ -434,8 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
-    if args.write_readme:
-        problem = readme_markers_error(args.readme)
+    if args.write_docs:
+        problem = page_markers_error(args.page)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
@@ -466,9 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta = json.loads((out / "meta.json").read_text())
     text = (out / "summary.md").read_text()
     print("\n" + text)
-    if args.write_readme:
-        replace_block(args.readme, START, END, text.rstrip("\n"), HEADING)
-        print(f"wrote {args.readme}", file=sys.stderr)
+    if args.write_docs:
+        replace_block(args.page, START, END, text.rstrip("\n"), HEADING)
+        print(f"wrote {args.page}", file=sys.stderr)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("passed", "refused", "broken")}
     log(f"{out}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" (meta {len(meta['families'])} families)")
     return 0
