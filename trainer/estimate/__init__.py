@@ -15,7 +15,7 @@ callback uses. The two figures are therefore the two a run logs: `activation_byt
 `peak_bytes` = memory/peak_total_mib. FLOPs come from torch's FlopCounterMode over the same step.
 
 Inside: `session` (the module on fake tensors, stepped once, and `measure`), `tables` (every policy and loss head),
-`plan` (a configuration's plan, for a policy planned before it runs) and `cli` (this command).
+`config_plan` (a configuration's plan, for a policy planned before it runs) and `cli` (this command).
 """
 
 from trainer.estimate.cli import main, parse_bytes, render, to_json
