@@ -3,6 +3,7 @@ and how a table was made (every generated header carries it)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from trainer.measure.steptime import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
 
 __all__ = [
+    "add_page_arguments",
     "BENCHMARKS_PAGE",
     "DOCS",
     "HF_FAMILIES_PAGE",
@@ -46,6 +48,26 @@ def replace_block(path: Path, start: str, end: str, block: str, heading: str) ->
     else:
         text = text.rstrip("\n") + f"\n\n{heading}\n\n" + body + "\n"
     path.write_text(text)
+
+
+def add_page_arguments(ap: argparse.ArgumentParser, page: Path, blocks: str) -> None:
+    """--write-docs (rewrite `blocks`, the marked blocks this benchmark writes, on --page) and --page, with their
+    former names --write-readme and --readme: every benchmark that writes a docs table takes the same two flags."""
+    ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"rewrite {blocks} of --page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
+        "--readme",
+        dest="page",
+        type=Path,
+        default=page,
+        help=f"the docs page that --write-docs rewrites (default: {page.relative_to(ROOT)}; --readme: the same)",
+    )
 
 
 def environment(device_type: str, requested: str) -> dict[str, Any]:

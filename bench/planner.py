@@ -37,12 +37,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, ROOT, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment_text, replace_block
 from bench.accuracy import WORDS, Point, rankings_text, sources_text
 from bench.harness import (
     BenchError,
@@ -340,22 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"rewrite the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END} of "
-        "--page (--write-readme: the same, its former name)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=BENCHMARKS_PAGE,
-        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
-        "--readme: the same)",
+    add_page_arguments(
+        ap,
+        BENCHMARKS_PAGE,
+        f"the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END}",
     )
     args = ap.parse_intermixed_args(argv)
     if args.budgets < 6:

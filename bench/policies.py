@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench._readme import BENCHMARKS_PAGE, ROOT, replace_block
+from bench._readme import BENCHMARKS_PAGE, ROOT, add_page_arguments, replace_block
 from bench.harness import (
     BenchError,
     Harness,
@@ -566,22 +566,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, help="folder for results.csv/.json, table.md, accuracy.md (default runs/bench/<stamp>)"
     )
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"rewrite the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END} of "
-        "--page (--write-readme: the same, its former name)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=BENCHMARKS_PAGE,
-        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
-        "--readme: the same)",
+    add_page_arguments(
+        ap,
+        BENCHMARKS_PAGE,
+        f"the blocks between {START} and {END} and between {ACCURACY_START} and {ACCURACY_END}",
     )
     args = ap.parse_intermixed_args(argv)
     args.models = list(dict.fromkeys([*(args.model or []), *(args.models or [])])) or ["tiny"]

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, ROOT, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment_text, replace_block
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB
@@ -119,22 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a conf/model option (model=…)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on shared cores)")
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"rewrite the block between {START} and {END} of --page (--write-readme: the same, its former name)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=BENCHMARKS_PAGE,
-        help=f"the docs page that --write-docs rewrites (default: {BENCHMARKS_PAGE.relative_to(ROOT)}; "
-        "--readme: the same)",
-    )
+    add_page_arguments(ap, BENCHMARKS_PAGE, f"the block between {START} and {END}")
     args = ap.parse_intermixed_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)

@@ -23,12 +23,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench._readme import ROOT, STEP_TIME_PAGE, cpu_name, replace_block
+from bench._readme import STEP_TIME_PAGE, add_page_arguments, cpu_name, replace_block
 from trainer.core.schema import compose_config, describe_user_error
 from trainer.estimate import Estimate, estimate_all, open_session
 from trainer.estimate.tables import quiet_policy_notices
@@ -170,22 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes the estimates run in (default 2)"
     )
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"rewrite the block between {START} and {END} of --page (--write-readme: the same)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=STEP_TIME_PAGE,
-        help=f"the docs page that --write-docs rewrites (default: {STEP_TIME_PAGE.relative_to(ROOT)}; "
-        "--readme: the same)",
-    )
+    add_page_arguments(ap, STEP_TIME_PAGE, f"the block between {START} and {END}")
     args = ap.parse_intermixed_args(argv)
     if args.workers < 1:
         ap.error("--workers must be ≥ 1")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._readme import HF_FAMILIES_PAGE, ROOT, cpu_name, replace_block
+from bench._readme import HF_FAMILIES_PAGE, ROOT, add_page_arguments, cpu_name, replace_block
 from bench.hf_families.family import (
     ESTIMATE_SLACK_BYTES,
     LOSS_TOLERANCE,
@@ -350,22 +350,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--memory-mib", type=int, default=MEMORY_MIB, help=f"each family's memory cap in MiB (default {MEMORY_MIB})"
     )
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"put the table between {START} and {END} of --page (--write-readme: the same, its former name)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=HF_FAMILIES_PAGE,
-        help=f"the docs page that --write-docs rewrites (default: {HF_FAMILIES_PAGE.relative_to(ROOT)}; "
-        "--readme: the same)",
-    )
+    add_page_arguments(ap, HF_FAMILIES_PAGE, f"the table between {START} and {END}")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one family
     ap.add_argument("--row", type=Path, help=argparse.SUPPRESS)  # where the child writes its row
     args = ap.parse_args(argv)

@@ -1,3 +1,3 @@
-"""The run's core: the typed config (`schema`), user errors, THE one assembly path (`build`), the LightningModule
-(`module`), THE training step (`step`), loss heads, precision, text data (`corpus`, `data`), one run (`run`) and its
-folder (`rundir`), and the text every tool prints (`formatting`)."""
+"""The run's core: the typed config (`schema`), THE one assembly path (`build`), the LightningModule (`module`), THE
+training step (`step`), text data (`corpus`, `data`), one run (`run`) and its folder (`rundir`). The leaves every
+layer shares (errors, formatting, loss heads, precision) sit one level up, in `trainer`."""

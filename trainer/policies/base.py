@@ -164,6 +164,11 @@ class Policy:
     def runs_as_is(cls) -> bool:
         return cls.run is Policy.run
 
+    @classmethod
+    def replays_forward(cls) -> bool:
+        """Runs (part of) its blocks' forward again in backward: a layer's side effects (a KV-cache append) repeat."""
+        return cls.recomputes or cls.recomputes_core
+
     def effective(self, attention: str) -> str:
         """The treatment this one amounts to on a model with this attention (selective without an eager core:
         none), so a plan says what really runs."""

@@ -42,10 +42,7 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
         )
     remove_policy(model)
     install_plan(adapter, plan, policy)
-    if any(
-        policy.treatment_policy(s.treatment).recomputes or policy.treatment_policy(s.treatment).recomputes_core
-        for s in plan.segments
-    ):
+    if any(policy.treatment_policy(s.treatment).replays_forward() for s in plan.segments):
         _no_kv_cache_in_training(model)
     model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
     model.activation_plan = plan  # type: ignore[assignment]
@@ -84,7 +81,7 @@ def _no_kv_cache_in_training(model: nn.Module) -> None:
         return args, kwargs
 
     model.__dict__["_no_kv_cache_hook"] = model.register_forward_pre_hook(hook, with_kwargs=True)
-    log.info("%s: %s", type(model).__name__, _KV_CACHE_NOTICE)
+    log.warning("%s: %s", type(model).__name__, _KV_CACHE_NOTICE)  # said, as transformers says it
 
 
 def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
