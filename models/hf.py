@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from models import hf_source, hub
 from models.adapter import DecoderAdapter, FamilySpec, LayerOutput, LogitTransform, Wrapper, register_family
 from models.errors import UserError
 
+log = logging.getLogger(__name__)
 ATTENTION_NAME = "ckptlab_eager"
 WRAPPER_ATTR = "ckptlab_core_wrapper"  # set on an attention module by a policy: run its core through this
 
@@ -72,12 +74,30 @@ def has_attention_seam(cls: type) -> bool:
     return _eager_function(cls) is not None
 
 
-def attn_implementation(cls: type, attention: str) -> str:
+def best_attention(cls: type) -> str:
+    """What transformers itself runs when no attention is named: SDPA where the family has it, else eager."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def attention_choice(cls: type) -> str:
+    """The line a run prints when it chose the attention itself (model.attention=null)."""
+    chosen = best_attention(cls)
+    if chosen == "sdpa":
+        return f"model.attention=null: {cls.__name__} runs SDPA (model.attention=eager: the scores selective drops)"
+    return (
+        f"model.attention=null: {cls.__name__} has no SDPA attention in transformers {_transformers().__version__}; "
+        "it runs its eager attention"
+    )
+
+
+def attn_implementation(cls: type, attention: str | None) -> str:
     """What to ask transformers for, or a one-line HFModelError, decided from the class before it is built.
 
     eager: the seam (`ckptlab_eager`) where the family routes attention through a swappable function (its modeling
     module has `eager_attention_forward`); elsewhere (Falcon, Bloom, MPT compute it inline) transformers' own eager
-    implementation, which runs every policy but `selective`. sdpa: only where the family has it."""
+    implementation, which runs every policy but `selective`. sdpa: only where the family has it. None: the best the
+    family has (`best_attention`), as transformers picks when none is named."""
+    attention = attention or best_attention(cls)
     if attention == "eager":
         return ATTENTION_NAME if has_attention_seam(cls) else "eager"
     if not getattr(cls, "_supports_sdpa", False):
@@ -160,7 +180,7 @@ def load_config(name_or_path: str) -> Any:
 def load_causal_lm(
     name_or_path: str,
     pretrained: bool = False,
-    attention: str = "sdpa",
+    attention: str | None = "sdpa",
     dropout: float | None = None,
     config: Any = None,
 ) -> nn.Module:
@@ -400,6 +420,10 @@ def _owns(model: nn.Module) -> bool:
 def _check(cfg: Any) -> None:
     if not cfg.name_or_path:
         raise ValueError("model=hf needs model.name_or_path=<hub id or a local folder with config.json>")
+    if cfg.attention is None:  # settled once, here, so every tool and policy check sees what will run
+        cls = model_class(load_config(str(cfg.name_or_path)))
+        cfg.attention = best_attention(cls)
+        log.info(attention_choice(cls))
 
 
 register_family(FamilySpec("hf", owns=_owns, adapter=HFAdapter, build=_build, check=_check))

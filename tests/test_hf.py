@@ -243,6 +243,31 @@ def test_sdpa_on_a_family_transformers_has_no_sdpa_for_is_one_line_and_leaves_no
         assert not (tmp_path / "run").exists()
 
 
+def test_unnamed_attention_is_the_best_the_family_has_and_the_run_says_which(
+    compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """model.attention left null (conf/model/hf.yaml) picks as transformers does: SDPA where the family has it
+    (llama), its eager attention where it has none (gemma2 through the seam, bloom inline), and the run's log says
+    which before the first step; a named model.attention stays strict (the test above)."""
+    from trainer.core.schema import validate
+
+    expected = {"llama": ("sdpa", "sdpa"), "gemma2": ("eager", "ckptlab_eager"), "bloom": ("eager", "eager")}
+    for family, (attention, impl) in expected.items():
+        cfg = compose_cfg("model=hf", f"model.name_or_path={hf_models[family]}", "policy=full", *RUN)
+        assert cfg.model.attention is None
+        assert validate(cfg).model.attention == attention
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            summary = train(cfg, tmp_path / family)
+        assert summary["status"] == "completed"
+        assert summary["model"]["attention"] == attention and summary["model"]["attn_implementation"] == impl
+        lines = [r.getMessage() for r in caplog.records]
+        chosen = next(i for i, line in enumerate(lines) if line.startswith("model.attention=null: "))
+        started = next(i for i, line in enumerate(lines) if f"attention={attention} policy=full" in line)
+        assert chosen < started
+        assert ("no SDPA attention" in lines[chosen]) == (attention == "eager")
+
+
 def test_selective_on_a_family_computing_attention_inline_leaves_no_folder(
     compose_cfg: Callable[..., Any], hf_models: dict[str, Path], tmp_path: Path
 ) -> None:

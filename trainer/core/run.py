@@ -278,8 +278,9 @@ class Run:
                 "use data.tokenizer=model or a smaller data.bpe_vocab_size"
             )
         log.info(
-            "model=%s policy=%s plan=%s loss=%s precision=%s | %s params | %d train / %d val tokens",
+            "model=%s attention=%s policy=%s plan=%s loss=%s precision=%s | %s params | %d train / %d val tokens",
             config.model.name,
+            module.adapter.attention,
             module.policy.cfg.name,
             "chosen at fit start" if module.policy.planned_first else module.model.activation_plan.describe(),
             config.loss.name,

@@ -41,7 +41,9 @@ class ModelConfig:
     mlp_hidden: int | None = None  # llama: SwiGLU hidden size; None = LLaMA's rule from n_embd
     dropout: float | None = 0.1  # hf: None keeps the config's probabilities
     bias: bool = True  # gpt only (LLaMA has none)
-    attention: str = "eager"  # eager (T×T scores kept: what `selective` drops) | sdpa (fused kernel)
+    # eager (T×T scores kept: what `selective` drops) | sdpa (fused kernel) | None (hf only: what transformers
+    # picks when none is named, SDPA where the family has it and its eager attention elsewhere; settled here)
+    attention: str | None = "eager"
     tie_embeddings: bool = True  # lm_head shares the token embedding
     norm_eps: float = 1e-5  # llama
     rope_theta: float = 10000.0  # llama
@@ -51,8 +53,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r}; choose one of: {', '.join(FAMILIES)}")
-        if self.attention not in ("eager", "sdpa"):
-            raise ValueError(f"model.attention={self.attention!r} must be 'eager' or 'sdpa'")
+        if self.attention not in ("eager", "sdpa") and not (self.attention is None and self.family == "hf"):
+            named = "'eager' or 'sdpa'" + (" (or null: the best the model has)" if self.family == "hf" else "")
+            raise ValueError(f"model.attention={self.attention!r} must be {named}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         check = FAMILIES[self.family].check
