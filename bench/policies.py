@@ -83,7 +83,7 @@ from bench.harness import (
     sync,
 )
 from bench.policies_report import ACCURACY_END, ACCURACY_START, accuracy, report, targets
-from trainer.core.schema import Config, describe_user_error
+from trainer.core.schema import Config, ModelConfig, describe_user_error
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
 from trainer.measure.steptime import speed_here
@@ -171,8 +171,8 @@ def model_overrides(args: argparse.Namespace, model: str) -> list[str]:
         path = CONF / "model" / f"{model}.yaml"
         block = next((o.split("=", 1)[1] for o in out if o.startswith("model.block_size=")), None)
         if block is None and path.is_file():
-            block = OmegaConf.load(path).get("block_size")
-        seq = int(OmegaConf.load(CONF / "config.yaml").seq_len)
+            block = OmegaConf.load(path).get("block_size", ModelConfig.block_size)
+        seq = Config.seq_len  # the dataclass holds the defaults (conf/ repeats none of them)
         if block is not None and int(block) < seq:
             out.append(f"seq_len={block}")
     return out

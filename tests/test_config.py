@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,17 @@ import yaml
 
 from tests.conftest import CONF, SMALL, run_cli
 from trainer.core.rundir import discard_run_dir
-from trainer.core.schema import Config, ConfigError, validate
+from trainer.core.schema import (
+    Config,
+    ConfigError,
+    DataConfig,
+    MeasureConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainerConfig,
+    validate,
+)
+from trainer.loss import LossConfig
 from trainer.policies import POLICIES, build_policy
 
 POLICY_FILES = sorted(p.stem for p in (CONF / "policy").glob("*.yaml"))
@@ -25,6 +36,42 @@ def test_compose_every_policy(compose_cfg, policy: str) -> None:
     config = validate(cfg)
     assert isinstance(config, Config) and config.accum == 8
     assert build_policy(config.policy).cfg.name == policy
+
+
+def _defaults(cls: type) -> dict[str, object]:
+    """A dataclass's scalar defaults (nested dataclasses have their own)."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default_factory()):
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _repeats(written: dict | None, cls: type) -> list[str]:
+    defaults = _defaults(cls)
+    return [
+        key
+        for key, value in (written or {}).items()
+        if key in defaults and type(value) is type(defaults[key]) and value == defaults[key]
+    ]
+
+
+def test_no_yaml_repeats_a_dataclass_default() -> None:
+    """One source of truth: a default lives in trainer/core/schema.py (or the loss head's config), and a yaml holds
+    only what its option changes, so changing a default is one edit and no option keeps the old one silently."""
+    groups = {"model": ModelConfig, "data": DataConfig, "trainer": TrainerConfig, "loss": LossConfig}
+    found = {
+        f"conf/{group}/{path.name}": _repeats(yaml.safe_load(path.read_text()), cls)
+        for group, cls in groups.items()
+        for path in sorted((CONF / group).glob("*.yaml"))
+    }
+    top = yaml.safe_load((CONF / "config.yaml").read_text())
+    found["conf/config.yaml"] = _repeats(top, Config)
+    for section, cls in {"optim": OptimConfig, "measure": MeasureConfig}.items():
+        found[f"conf/config.yaml {section}"] = _repeats(top.get(section), cls)
+    assert {where: keys for where, keys in found.items() if keys} == {}
 
 
 MANDATORY = {("data", "local"): "data.path=[somewhere.txt]"}
@@ -44,7 +91,7 @@ def test_compose_every_option_of(compose_cfg, hf_models, group: str) -> None:
         if (group, option) in mandatory:
             overrides.append(mandatory[(group, option)])
         node = getattr(validate(compose_cfg(*overrides, small=False)), group)
-        written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+        written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
         for key, value in written.items():
             if value == "???":
                 continue

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from models import FAMILIES, build_model
 from models.adapter import adapter_for
@@ -153,7 +152,7 @@ def test_every_native_family_has_a_test_size_that_trains(compose_cfg: Any, famil
     from trainer.core import build
 
     spec = FAMILIES[family]
-    assert OmegaConf.load(CONF / "model" / f"{spec.preset}.yaml").family == family
+    assert validate(compose_cfg(f"model={spec.preset}")).model.family == family
     config = validate(compose_cfg(*spec.tiny_overrides, "policy=full"))
     module = build.module(config, "full")
     assert module.adapter.family == family
