@@ -2,7 +2,7 @@
 
 Plain PyTorch, like models/gpt.py, and the same contract (models/adapter.py): `layers` (each called as
 `layer(x, cos, sin)`: the rotary table is the context a layer needs besides the residual stream),
-`hidden_states(idx)`, `lm_head`, and the attention seam `Attention.core_attention` (the GQA key/value repeat,
+`hidden_states(idx)`, `lm_head`, and the attention seam `LlamaAttention.core_attention` (the GQA key/value repeat,
 QKᵀ, causal softmax, dropout, ·V), which `selective` recomputes.
 
 Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), so a
@@ -108,7 +108,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class Attention(nn.Module):
+class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         assert config.n_kv_head is not None
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         return att @ v
 
 
-class MLP(nn.Module):
+class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) · up(x))."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -165,17 +165,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class LlamaBlock(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = LlamaMLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     @property
-    def attn(self) -> Attention:
+    def attn(self) -> LlamaAttention:
         return self.self_attn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,13 +184,13 @@ class Block(nn.Module):
         return x
 
 
-class Decoder(nn.Module):
+class LlamaDecoder(nn.Module):
     """Embedding, layers and final norm: HF's `LlamaModel`, so parameter names match under `model.`."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.layers = nn.ModuleList([LlamaBlock(config) for _ in range(config.n_layer)])
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         cos, sin = rotary_table(config)
         # Buffers, not parameters, and non-persistent: state_dict keys are the weights alone.
@@ -202,7 +202,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model = LlamaDecoder(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

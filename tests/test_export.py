@@ -297,7 +297,8 @@ def test_lightning_strategy_checkpoints_every_block() -> None:
     from models import build_model
 
     form = exported("lightning", *TINY, "policy=full").forms[0]
-    assert form.verdict == EXACT and form.chosen.settings == {"activation_checkpointing_policy": ["models.gpt.Block"]}
+    assert form.verdict == EXACT
+    assert form.chosen.settings == {"activation_checkpointing_policy": ["models.gpt.GPTBlock"]}
     namespace: dict[str, Any] = {}
     exec(form.text, namespace)
     model = build_model(compose_config(TINY).model, vocab_size=256)

@@ -1,4 +1,4 @@
-"""Lightning: `FSDPStrategy(activation_checkpointing_policy={Block})` (names read from lightning 2.6.6).
+"""Lightning: `FSDPStrategy(activation_checkpointing_policy={<block class>})` (names read from lightning 2.6.6).
 
 The policy is a set of module classes (or torch's auto-wrap callable): Lightning wraps every module of those classes
 in torch's checkpoint_wrapper (non-reentrant, RNG state preserved). No context_fn passes through it, so no per-op
