@@ -173,14 +173,15 @@ def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
 
 
 def test_torchtitan_per_op_policy_here_decides_as_torchtitan_does() -> None:
-    """Our replica of torchtitan main's SelectiveAC decides every op of a block's forward as torchtitan's own."""
+    """The registered policy torchtitan_sac (policy.version=0.3) decides every op of a block's forward, and saves
+    the same op list, as torchtitan main's own SelectiveAC."""
     ac = pytest.importorskip(
         "torchtitan.distributed.activation_checkpoint", reason="torchtitan is not installed (the `export` extra)"
     )
     from models import build_model
-    from trainer.export.targets import torchtitan as ours
+    from trainer.policies import build_policy, library, torchtitan_save_ops
 
-    assert ours.main_save_ops() == ac._get_default_save_ops()
+    assert torchtitan_save_ops("0.3") == ac._get_default_save_ops()
     model = build_model(compose_config(LLAMA).model, vocab_size=256)  # bias-free: its linears are aten.mm
     block = model.model.layers[0]
     rope = (model.model.rope_cos[:16], model.model.rope_sin[:16])
@@ -209,8 +210,8 @@ def test_torchtitan_per_op_policy_here_decides_as_torchtitan_does() -> None:
 
     wrapped = ac.SelectiveAC(ac.SelectiveAC.Config())._wrap_block(block, base_fqn="layers.0")
     theirs = decisions(ac, lambda: wrapped(x, *rope).sum().backward())
-    replica = ours.TorchtitanSAC.of(ours.MAIN)
-    mine = decisions(ours, lambda: replica.run(lambda h: block(h, *rope), x, 0).sum().backward())
+    replica = build_policy({"name": "torchtitan_sac"})
+    mine = decisions(library, lambda: replica.run(lambda h: block(h, *rope), x, 0).sum().backward())
     assert mine == theirs
     assert ("aten.mm.default", "MUST_SAVE") in mine and ("aten.mm.default", "PREFER_RECOMPUTE") in mine
 
@@ -415,7 +416,7 @@ def test_json_and_out_hold_the_answer(tmp_path: Path) -> None:
     assert data["names_read_from"].startswith("torchtitan 0.3.0") and data["verdict"] == APPROX
     assert {r["status"] for r in data["fidelity"]} == {APPROX, EXACT}
     ours, closest = data["figures"]["ours"], data["figures"]["closest"]
-    assert ours["plan"] == "[0-5]:op_sac" and closest["plan"] == "[0-5]:torchtitan-sac"
+    assert ours["plan"] == "[0-5]:op_sac" and closest["plan"] == "[0-5]:torchtitan_sac"
     assert all(f[k] > 0 for f in (ours, closest) for k in ("activation_bytes", "peak_bytes", "flops"))
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
 
 from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
@@ -44,6 +44,7 @@ from trainer.policies import (
     PolicyError,
     apply_policy,
     build_policy,
+    checkpointed,
     config_node,
     remove_policy,
 )
@@ -60,6 +61,8 @@ CASES: dict[str, Any] = {
     "first_k1": {"name": "first_k", "k": 1},
     "first_k2": {"name": "first_k", "k": 2},
     "op_sac": "op_sac",
+    "torchtitan_sac": "torchtitan_sac",
+    "torchtitan_sac_02": {"name": "torchtitan_sac", "version": "0.2"},
     "offload": "offload",
     "per_block_pattern": {"name": "per_block", "pattern": ["full", "selective", "none", "op_sac"]},
     "per_block_blocks": {"name": "per_block", "blocks": ["offload", "full", "selective", "none"]},
@@ -254,6 +257,10 @@ def test_every_family_every_policy_equals_none_bitwise(family: str, case: str, h
         return
     apply_policy(model, policy)
     assert installed(model)
+    if case == "torchtitan_sac" and family == "hf-falcon":  # scores /= √d in place after a saved bmm
+        with pytest.raises(PolicyError, match=r"writes in place \(aten.div_.Tensor\) into the output"):
+            family_step(model)
+        return
     losses, grads = family_step(model)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref[0], strict=True)), (losses, ref[0])
     assert grads.keys() == ref[1].keys() and len(grads) == len(list(model.parameters()))
@@ -372,6 +379,8 @@ def test_a_refused_policy_leaves_the_installed_one_in_place() -> None:
         ("every_k2", "[0-1]:full-group [2-3]:full-group", None),
         ("first_k1", "[0]:full [1-3]:none", None),
         ("op_sac", "[0-3]:op_sac", None),
+        ("torchtitan_sac", "[0-3]:torchtitan_sac", None),
+        ("torchtitan_sac_02", "[0-3]:torchtitan_sac", None),
         ("offload", "[0-3]:offload", None),
         ("per_block_pattern", "[0]:full [1]:selective [2]:none [3]:op_sac", "[0]:full [1-2]:none [3]:op_sac"),
         ("per_block_blocks", "[0]:offload [1]:full [2]:selective [3]:none", "[0]:offload [1]:full [2-3]:none"),
@@ -428,6 +437,11 @@ def expected_extra_flops(case: str, attention: str, early_stop: bool) -> int:
     # the core (not in the save list). ·V is needed again here: its output feeds the recomputed contiguous copy
     # that c_proj saves. The MLP's c_proj (addmm) is cached, so early stop changes nothing.
     op_sac = p["core"] if eager else 0
+    # torchtitan's per-op policy (0.3) saves the partitioner's compute-intensive ops, bmm and addmm among them, but
+    # not CPU's SDPA kernel (_scaled_dot_product_flash_attention_for_cpu), which is recomputed once per block; its
+    # every-second-matmul rule counts aten.mm and aten.linear, which a GPT block with biases never dispatches.
+    # 0.2's list names aten.mm alone, so a GPT block's addmm are all recomputed: the same as full.
+    torchtitan = 0 if eager else p["core"]
     return {
         "none": 0,
         "offload": 0,  # no recompute; on CPU not even a copy
@@ -438,6 +452,8 @@ def expected_extra_flops(case: str, attention: str, early_stop: bool) -> int:
         "first_k1": group(0),
         "first_k2": group(0) + group(1),
         "op_sac": L * op_sac,
+        "torchtitan_sac": L * torchtitan,
+        "torchtitan_sac_02": sum(group(i) for i in range(L)),
         "per_block_pattern": group(0) + selective + 0 + op_sac,  # [full, selective, none, op_sac]
         "per_block_blocks": 0 + group(1) + selective + 0,  # [offload, full, selective, none]
     }[case]
@@ -767,6 +783,37 @@ def test_per_block_blocks_override_the_default_pattern() -> None:
 # ----------------------------------------------------------------------------------------------------
 # The seams: a treatment's parameters, the schema each yaml extends, the callbacks a policy brings.
 # ----------------------------------------------------------------------------------------------------
+
+
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    s = q @ k.transpose(-1, -2)  # 4-D: bmm, its output returned through aten._unsafe_view
+    s /= 2.0  # in place, as Falcon scales its scores
+    return torch.softmax(s, -1) @ q
+
+
+def test_torch_sac_hands_back_a_saved_output_mutated_in_place_and_torchtitan_sac_refuses() -> None:
+    """Why the guard exists: torch's SAC, told to save bmm, returns in the recompute the output as the in-place
+    division left it, and its version check does not see the write, so the gradients are silently wrong. The
+    day this torch is fixed, the first assertion fails and the guard can go. torchtitan_sac saves bmm: refused."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def save_bmm(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if func is torch.ops.aten.bmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 4, 5, requires_grad=True) for _ in range(2))
+    want = torch.autograd.grad(_scaled_scores(q, k).sum(), q)[0]
+    out = checkpointed(_scaled_scores, q, k, context_fn=lambda: create_selective_checkpoint_contexts(save_bmm))
+    assert not torch.allclose(torch.autograd.grad(out.sum(), q)[0], want)
+    policy = build_policy({"name": "torchtitan_sac"})
+    with pytest.raises(PolicyError, match=r"policy=torchtitan_sac: this model writes in place \(aten.div_.Tensor\)"):
+        policy.run(lambda h: _scaled_scores(h, k), q, 0)
+    mine = build_policy({"name": "op_sac", "save_ops": ["aten.mm", "aten.bmm"]})  # the user's own list: guarded too
+    with pytest.raises(PolicyError, match=r"policy=op_sac: this model writes in place"):
+        mine.run(lambda h: _scaled_scores(h, k), q, 0)
+    policy_02 = build_policy({"name": "torchtitan_sac", "version": "0.2"})  # saves mm, not bmm: exact here
+    got = torch.autograd.grad(policy_02.run(lambda h: _scaled_scores(h, k), q, 0).sum(), q)[0]
+    assert torch.equal(got, want)
 
 
 def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:

@@ -107,7 +107,7 @@ class Measurer:
 
     def __init__(self, session: Session, ctx: ExportInput) -> None:
         self.session, self.ctx = session, ctx
-        self._done: dict[tuple[str, str], PlanFigures] = {}
+        self._done: dict[tuple[str, str, tuple[str, ...]], PlanFigures] = {}
 
     def ours(self) -> PlanFigures:
         return self._measure(self.ctx.policy, self.ctx.plan, self.ctx.loss.name)
@@ -120,7 +120,9 @@ class Measurer:
             return None
 
     def _measure(self, policy: Policy, plan: Plan, loss_name: str) -> PlanFigures:
-        key = (plan.describe(), loss_name)
+        # by what runs: one plan string with another treatment config (torchtitan_sac's two versions) is another plan
+        runs = tuple(sorted({repr(policy.treatment_policy(t).cfg) for t in plan.treatments}))
+        key = (plan.describe(), loss_name, runs)
         if key not in self._done:
             loss = replace(self.ctx.loss, name=loss_name)
             with quiet_policy_notices():

@@ -3,13 +3,15 @@ and reports list them in (roughly from most memory to least)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.errors import PolicyError
@@ -121,7 +123,178 @@ class OpLevelSAC(Policy):
             packet = getattr(op, "overloadpacket", op)
             return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return functools.partial(create_selective_checkpoint_contexts, decide)
+        if list(self.cfg.save_ops) == DEFAULT_SAC_SAVE_OPS:  # checked exact on every family: no guard's overhead
+            return functools.partial(create_selective_checkpoint_contexts, decide)
+
+        def guarded() -> Any:  # a list of the user's own (aten.bmm, say) may save what a model then writes into
+            guard = SavedOutputGuard(self.name)
+            forward, recompute = create_selective_checkpoint_contexts(
+                lambda ctx, op, *a, **k: guard.decided(decide(ctx, op, *a, **k))
+            )
+            return _entered_together(forward, guard), recompute
+
+        return guarded
+
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
+        return checkpointed(fn, x, context_fn=self.context_fn)
+
+
+class SavedOutputGuard(TorchDispatchMode):
+    """Refuses, in one line, a forward that writes in place into an output the SAC cache saved.
+
+    torch's SAC hands the cached output back in the recompute as it is *then*; its version check misses a write
+    made through `aten._unsafe_view` (how a ≥3-D matmul returns bmm's or mm's output), so a model that scales
+    the scores in place (Falcon: `scores /= sqrt(d)` after `q @ kᵀ`) would get silently wrong gradients from a
+    policy that saves aten.bmm. Entered inside SAC's own forward mode, so it sees each op first and SAC's decision
+    for it just after (`decided`, called from the policy function)."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__()
+        self.policy, self.saved, self.last = policy, set[int](), CheckpointPolicy.PREFER_RECOMPUTE
+
+    def decided(self, decision: CheckpointPolicy) -> CheckpointPolicy:
+        self.last = decision
+        return decision
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)
+        if schema is not None and self.saved:
+            for arg, value in zip(schema.arguments, args, strict=False):
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if written and isinstance(value, torch.Tensor) and _storage(value) in self.saved - {0}:
+                    raise PolicyError(
+                        f"policy={self.policy}: this model writes in place ({func}) into the output of an op the "
+                        "policy saves, which torch's selective checkpoint would hand back mutated in the recompute "
+                        "(wrong gradients); use op_sac with its default save_ops, or full"
+                    )
+        self.last = CheckpointPolicy.PREFER_RECOMPUTE
+        out = func(*args, **kwargs)
+        if self.last == CheckpointPolicy.MUST_SAVE:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.saved.add(_storage(t))
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's bytes live; 0 where it has none to compare (a fake tensor: the estimator trusts the run)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return 0
+
+
+@contextlib.contextmanager
+def _entered_together(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    """Ops by dotted name under torch.ops (or torch._higher_order_ops: "hop.<name>"), skipping those this torch
+    lacks, as torchtitan does."""
+    out = set()
+    for name in names:
+        obj: Any = torch.ops
+        if name.startswith("hop."):
+            obj, name = torch._higher_order_ops, name.removeprefix("hop.")
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            continue
+        out.add(obj)
+    return frozenset(out)
+
+
+def torchtitan_save_ops(version: str) -> frozenset[Any]:
+    """What torchtitan's per-op policy saves. 0.3 (main): `_get_default_save_ops`, the min-cut partitioner's
+    compute-intensive ops, the SDPA kernels it names, max, linear, topk and the collectives. 0.2: the llama3
+    `_op_sac_save_list`."""
+    if version == "0.2":
+        return _ops(
+            "aten.mm.default",
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_flash_attention.default",
+            "aten._scaled_dot_product_cudnn_attention.default",
+            "aten._scaled_dot_product_attention_math.default",
+            "aten._scaled_dot_product_fused_attention_overrideable.default",
+            "_c10d_functional.reduce_scatter_tensor.default",
+            "aten.max.default",
+            "hop.flex_attention",
+            "torch_attn._varlen_attn.default",
+            "hop.inductor_compiled_code",
+        )
+    from torch._functorch.partitioners import get_default_op_list
+
+    return frozenset(op.default for op in get_default_op_list().compute_intensive_ops) | _ops(
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten._scaled_dot_product_fused_attention_overrideable.default",
+        "aten.max.default",
+        "aten.linear.default",
+        "aten.topk.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_to_all_single.default",
+        "hop.flex_attention",
+        "hop.inductor_compiled_code",
+        "torch_attn._varlen_attn.default",
+    )
+
+
+TORCHTITAN_VERSIONS = ("0.3", "0.2")
+
+
+@dataclass
+class TorchtitanSacConfig(PolicyConfig):
+    # 0.3: torchtitan main's SelectiveAC (aten.mm and aten.linear counted); 0.2: 0.2.x's `selective_ac_option =
+    # "op"` (aten.mm counted). The two save lists differ (torchtitan_save_ops).
+    version: str = "0.3"
+
+    def __post_init__(self) -> None:
+        if self.version not in TORCHTITAN_VERSIONS:
+            raise ValueError(f"policy.version={self.version!r}; choose {' or '.join(TORCHTITAN_VERSIONS)}")
+
+
+@register
+class TorchtitanSAC(Policy):
+    """torchtitan's per-op policy on every block, decided as its `_wrap_block` decides: save the listed ops' outputs
+    except every second matmul (counted apart in the forward and in the recompute, afresh per checkpoint call, as
+    its context_fn makes), recompute the rest. Written here rather than imported because torchtitan wraps modules
+    (checkpoint_wrapper) where the project installs plans through the decoder contract; a test holds its decisions
+    equal to torchtitan's own, op by op."""
+
+    name = "torchtitan_sac"
+    treatment = True
+    recomputes = True
+    Config = TorchtitanSacConfig
+
+    @functools.cached_property
+    def save(self) -> frozenset[Any]:
+        return torchtitan_save_ops(self.cfg.version)
+
+    @property
+    def counted(self) -> tuple[Any, ...]:
+        mm = torch.ops.aten.mm.default
+        return (mm,) if self.cfg.version == "0.2" else (mm, torch.ops.aten.linear.default)
+
+    def context_fn(self) -> Any:
+        count = {"forward": 0, "recompute": 0}
+        save, counted = self.save, self.counted
+        guard = SavedOutputGuard(self.name)
+
+        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func in counted:
+                count[mode] += 1
+            if func in save and not (func in counted and count[mode] % 2 == 0):
+                return guard.decided(CheckpointPolicy.MUST_SAVE)
+            return guard.decided(CheckpointPolicy.PREFER_RECOMPUTE)
+
+        forward, recompute = create_selective_checkpoint_contexts(decide)
+        return _entered_together(forward, guard), recompute
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x, context_fn=self.context_fn)
@@ -380,6 +553,10 @@ __all__ = [
     "PerBlockConfig",
     "SelectiveRecompute",
     "SqrtGroups",
+    "TORCHTITAN_VERSIONS",
+    "TorchtitanSAC",
+    "TorchtitanSacConfig",
     "ceil_sqrt",
+    "torchtitan_save_ops",
     "resolve_ops",
 ]

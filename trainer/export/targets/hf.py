@@ -104,7 +104,7 @@ class HuggingFace(Target):
             if names.offload:
                 c = self._ckpt(names, {"offload": True}, Plan.uniform(n, "full"))
                 out.append(checkpoint_and_offload(n, c.settings, c.notes))
-        if {"op_sac", "selective"} & set(plan.treatments):
+        if {"op_sac", "torchtitan_sac", "selective"} & set(plan.treatments):
             context_fn = ctx.treatment("op_sac").context_fn  # type: ignore[attr-defined]
             out.append(self._ckpt(names, {"context_fn": context_fn}, Plan.uniform(n, "op_sac"), "per op"))
         out.append(self._ckpt(names, {}, Plan.uniform(n, "full")))
@@ -159,6 +159,11 @@ class HuggingFace(Target):
             return (
                 "no core-attention-only mode: a per-op context_fn (ours, saving policy.save_ops) recomputes the "
                 "attention core under eager attention (its bmm are not saved) and the pointwise ops too"
+            )
+        if e.treatment == "torchtitan_sac" and theirs == "op_sac" and e.group == 1:
+            return (
+                "a per-op context_fn saving policy.save_ops (op_sac's list): torchtitan's save list and its "
+                "every-second-matmul rule are not written into the script"
             )
         return None
 

@@ -51,7 +51,7 @@ class Lightning(Target):
     def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "FSDPStrategy checkpoints each block on its own, never several blocks as one region"
-        if e.treatment in ("selective", "op_sac"):
+        if e.treatment in ("selective", "op_sac", "torchtitan_sac"):
             return "FSDPStrategy's activation_checkpointing_policy names module classes to checkpoint whole, with no per-op policy (no context_fn)"  # noqa: E501
         if e.treatment == "offload":
             return "FSDPStrategy offloads no activation (its cpu_offload moves parameters)"

@@ -75,7 +75,7 @@ class Megatron(Target):
                     Plan.per_block(["offload"] * offloaded + ["none"] * (n - offloaded)),
                 )
             )
-        if {"op_sac", "selective"} & set(plan.treatments):
+        if {"op_sac", "torchtitan_sac", "selective"} & set(plan.treatments):
             out.append(
                 Candidate("selective (core_attn)", {"recompute_granularity": "selective"}, Plan.uniform(n, "selective"))
             )
@@ -132,7 +132,7 @@ class Megatron(Target):
         return None
 
     def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
-        if e.treatment == "op_sac" and theirs == "selective":
+        if e.treatment in ("op_sac", "torchtitan_sac") and theirs == "selective":
             return (
                 "Megatron has no per-op policy: --recompute-modules names modules (core_attn, layernorm, mlp, "
                 "moe_act, …); core_attn recomputes the attention core only, where ours also recomputes every "
@@ -141,7 +141,7 @@ class Megatron(Target):
         return None
 
     def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
-        if e.treatment == "op_sac":
+        if e.treatment in ("op_sac", "torchtitan_sac"):
             return "Megatron has no per-op recompute policy"
         if e.treatment == "offload":
             return (

@@ -4,18 +4,15 @@ read from torchtitan 0.3.0) and the older TOML (`[activation_checkpoint] mode`, 
 
 torchtitan wraps each transformer block in torch's checkpoint_wrapper: whole (`full`), per op (`selective` on main,
 `selective_ac_option = "op"` up to 0.2), or up to 0.2 every n-th block whole (`selective_ac_option = "<n>"`). Its
-per-op policy is its own (saved ops, every second matmul recomputed), so it is replicated here (`TorchtitanSAC`) to
-measure it on our model rather than assumed equal to ours. No version offloads activations or checkpoints several
+per-op policy is its own (saved ops, every second matmul recomputed): the registered policy `torchtitan_sac`
+(`policy.version` 0.3 or 0.2), so it is measured on our model rather than assumed equal to ours, and a plan of it
+exports exactly. No version offloads activations or checkpoints several
 blocks as one region.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.export.spec import (
     APPROX,
@@ -35,104 +32,11 @@ from trainer.export.spec import (
     register,
     uniform,
 )
-from trainer.policies import Plan, Policy, PolicyConfig, checkpointed
+from trainer.policies import Plan, Policy, build_policy
 
 MAIN = Version("0.3", "torchtitan 0.3.0 (main: command-line subcommands)", "torchtitan")
 TOML = Version("0.2", "torchtitan 0.2.2 (TOML, up to 0.2.x)", "torchtitan")
-SAC = {MAIN.key: "torchtitan-sac", TOML.key: "torchtitan-0.2-sac"}  # their per-op policy, as a treatment here
-
-
-def _ops(*names: str) -> set[Any]:
-    """Ops by dotted name under torch.ops (or torch._higher_order_ops: "hop.<name>"), skipping those this torch
-    lacks, as torchtitan does."""
-    out = set()
-    for name in names:
-        obj: Any = torch.ops
-        if name.startswith("hop."):
-            obj, name = torch._higher_order_ops, name.removeprefix("hop.")
-        try:
-            for part in name.split("."):
-                obj = getattr(obj, part)
-        except (AttributeError, RuntimeError):
-            continue
-        out.add(obj)
-    return out
-
-
-def main_save_ops() -> set[Any]:
-    """torchtitan main's `_get_default_save_ops`: the partitioner's compute-intensive ops, the SDPA kernels it
-    names, max, linear, topk and the collectives."""
-    from torch._functorch.partitioners import get_default_op_list
-
-    ops = {op.default for op in get_default_op_list().compute_intensive_ops}
-    return ops | _ops(
-        "aten._scaled_dot_product_cudnn_attention.default",
-        "aten._scaled_dot_product_attention_math.default",
-        "aten._scaled_dot_product_fused_attention_overrideable.default",
-        "aten.max.default",
-        "aten.linear.default",
-        "aten.topk.default",
-        "_c10d_functional.reduce_scatter_tensor.default",
-        "_c10d_functional.all_to_all_single.default",
-        "hop.flex_attention",
-        "hop.inductor_compiled_code",
-        "torch_attn._varlen_attn.default",
-    )
-
-
-def toml_save_ops() -> set[Any]:
-    """torchtitan 0.2.2's llama3 `_op_sac_save_list`."""
-    return _ops(
-        "aten.mm.default",
-        "aten._scaled_dot_product_efficient_attention.default",
-        "aten._scaled_dot_product_flash_attention.default",
-        "aten._scaled_dot_product_cudnn_attention.default",
-        "aten._scaled_dot_product_attention_math.default",
-        "aten._scaled_dot_product_fused_attention_overrideable.default",
-        "_c10d_functional.reduce_scatter_tensor.default",
-        "aten.max.default",
-        "hop.flex_attention",
-        "torch_attn._varlen_attn.default",
-        "hop.inductor_compiled_code",
-    )
-
-
-class TorchtitanSAC(Policy):
-    """torchtitan's per-op policy on one block, as its `_wrap_block` decides: save the listed ops' outputs except
-    every second matmul (counted apart in the forward and in the recompute), recompute the rest. Main counts
-    aten.mm and aten.linear, 0.2 aten.mm only; a fresh count per checkpoint call, as torchtitan's context_fn makes."""
-
-    name = "torchtitan-sac"
-
-    def __init__(self, save: set[Any], counted: tuple[Any, ...], name: str) -> None:
-        super().__init__(PolicyConfig(name=name))
-        self.save, self.counted = save, counted
-
-    def context_fn(self) -> Any:
-        count = {"forward": 0, "recompute": 0}
-
-        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func in self.counted:
-                count[mode] += 1
-            if func in self.save and not (func in self.counted and count[mode] % 2 == 0):
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(decide)
-
-    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
-        return checkpointed(fn, x, context_fn=self.context_fn)
-
-    def effective(self, attention: str) -> str:
-        return self.cfg.name  # the name the measured plan gives it (one per torchtitan version)
-
-    @classmethod
-    def of(cls, version: Version) -> TorchtitanSAC:
-        if version.key == MAIN.key:
-            counted = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
-            return cls(main_save_ops(), counted, SAC[version.key])
-        return cls(toml_save_ops(), (torch.ops.aten.mm.default,), SAC[version.key])
+SAC = "torchtitan_sac"  # their per-op policy, a registered treatment (trainer/policies/library.py)
 
 
 @register
@@ -141,7 +45,6 @@ class Torchtitan(Target):
     title = "torchtitan"
     versions = (MAIN, TOML)
     show_all_versions = True
-    own_treatments = tuple(SAC.values())
 
     def candidates(self, ctx: ExportInput, version: Version) -> list[Candidate]:
         n, main = ctx.n_layer, version.key == MAIN.key
@@ -152,8 +55,8 @@ class Torchtitan(Target):
         nth = None if main else every_nth(ctx.plan, from_one)
         if nth:
             out.append(self._nth(n, nth))
-        sac = SAC[version.key]
-        out.append(self._mode("selective", Plan.uniform(n, sac), main, {sac: TorchtitanSAC.of(version)}))
+        theirs = build_policy({"name": SAC, "version": version.key})
+        out.append(self._mode("selective", Plan.uniform(n, SAC), main, {SAC: theirs}))
         if not main and (cover := covering_nth(ctx.plan, from_one)) and cover != nth:
             out.append(self._nth(n, cover))
         full = self._mode("full", Plan.uniform(n, "full"), main)
@@ -173,6 +76,11 @@ class Torchtitan(Target):
         return Candidate(f"every {ordinal(k)} block", settings, every_nth_plan(n, k, from_one))
 
     def fidelity(self, e: Element, ctx: ExportInput, version: Version) -> tuple[Status, str] | None:
+        if e.treatment == SAC and e.group == 1:
+            planned = ctx.treatment(SAC).cfg.version
+            if planned == version.key:
+                return EXACT, "its own per-op policy on every block (saved ops, every second matmul recomputed)"
+            return APPROX, f"this version's per-op policy, whose save list is not policy.version={planned}'s"
         if e.treatment == "none":
             return EXACT, "not wrapped: every activation kept"
         if e.treatment == "full" and e.group == 1:
@@ -187,7 +95,7 @@ class Torchtitan(Target):
         return None
 
     def similar(self, e: Element, theirs: str, ctx: ExportInput, version: Version) -> str | None:
-        if theirs not in SAC.values() or e.group > 1:
+        if theirs != SAC or e.group > 1:
             return None
         own = (
             "the compute-intensive ops (mm, addmm, bmm, SDPA, …) and linear"

@@ -97,7 +97,7 @@ class Torchtune(Target):
     def why_not(self, e: Element, ctx: ExportInput, version: Version) -> str:
         if e.group > 1:
             return "torchtune wraps each layer on its own, never several layers as one region"
-        if e.treatment in ("selective", "op_sac"):
+        if e.treatment in ("selective", "op_sac", "torchtitan_sac"):
             return 'torchtune 0.6.1 has no per-op or core-attention policy (ac_option "op" fails its int() parse)'
         return "torchtune checkpoints every layer, none, or every n-th (ac_mode: selective, ac_option: n)"
 
