@@ -143,3 +143,23 @@ def test_sac_decisions_survive_a_reload_of_the_flops_module() -> None:
 
     importlib.reload(trainer.measure.flops)
     test_op_sac_decisions_are_counted_and_full_makes_none()
+
+
+@pytest.mark.parametrize(
+    "device, memory_gib, entry",
+    [
+        ("NVIDIA A100-SXM4-80GB", 80, "A100-80GB"),  # by prefix this was the 40 GB part
+        ("NVIDIA A100-SXM4-40GB", 40, "A100-40GB"),
+        ("NVIDIA GeForce RTX 4090", 24, "RTX4090-24GB"),  # "RTX 4090", spaced: by substring it fell back to the H100
+        ("NVIDIA H100 80GB HBM3", 80, "H100-80GB"),
+        ("NVIDIA L4", 22.5, "L4-24GB"),
+        ("NVIDIA L40S", 45, None),  # not an L4: not in the catalogue (the reference GPU, said in a warning)
+    ],
+)
+def test_a_cuda_device_finds_its_catalogue_entry_by_model_and_memory(
+    device: str, memory_gib: float, entry: str | None
+) -> None:
+    from trainer.measure.gpus import match_device
+
+    found = match_device(device, int(memory_gib * 2**30))
+    assert (found.name if found else None) == entry

@@ -141,4 +141,29 @@ def find_gpu(name: str, catalogue: list[str] | None = None) -> Gpu:
     return found
 
 
-__all__ = ["CATALOGUE", "DEFAULT_RESERVE", "Gpu", "Reserve", "find_gpu", "load_catalogue", "parse_size"]
+def _model_pattern(entry: str) -> re.Pattern[str]:
+    """An entry's model (the name before its first '-': A100, L4, RTX4090) as a whole word of a device's name, its
+    letters and digits optionally apart ("NVIDIA GeForce RTX 4090"): L4 is not L40S, A100 is A100-SXM4-80GB's."""
+    model = entry.split("-")[0]
+    spaced = r"\s*".join(re.escape(part) for part in re.findall(r"[A-Za-z]+|\d+", model))
+    return re.compile(rf"(?<![A-Za-z0-9]){spaced}(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def match_device(device_name: str, total_memory_bytes: int, catalogue: list[str] | None = None) -> Gpu | None:
+    """The catalogue entry for a CUDA device: its model named as a whole word in the device's name, and of the
+    entries of that model, the one whose memory is nearest the device's (A100-80GB, not A100-40GB); None where
+    no entry is that model (an L40S, say)."""
+    same_model = [g for g in load_catalogue(catalogue).values() if _model_pattern(g.name).search(device_name)]
+    return min(same_model, key=lambda g: abs(g.memory_bytes - total_memory_bytes), default=None)
+
+
+__all__ = [
+    "CATALOGUE",
+    "DEFAULT_RESERVE",
+    "Gpu",
+    "Reserve",
+    "find_gpu",
+    "load_catalogue",
+    "match_device",
+    "parse_size",
+]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -43,7 +44,9 @@ from torch.utils import flop_counter as _fc
 from trainer.errors import ConfigError
 from trainer.formatting import flops_text
 from trainer.measure.flops import FlopTally, count_sac_decision, sac_decisions
-from trainer.measure.gpus import Gpu, find_gpu, load_catalogue
+from trainer.measure.gpus import Gpu, find_gpu, match_device
+
+log = logging.getLogger(__name__)
 
 
 class OpKey(NamedTuple):
@@ -603,8 +606,14 @@ def speed_here(device: torch.device | str, recalibrate: bool = False) -> Speed:
     device = torch.device(device)
     if device.type != "cuda":
         return cpu_speed(recalibrate)
-    name = torch.cuda.get_device_name(device)
-    for gpu in load_catalogue().values():
-        if gpu.name.split("-")[0].lower() in name.lower():
-            return gpu_speed(gpu)
-    return speed_for("cuda")
+    props = torch.cuda.get_device_properties(device)
+    gpu = match_device(props.name, props.total_memory)
+    if gpu is None:
+        log.warning(
+            "%s is not in the GPU catalogue: its times are predicted for the reference %s; add conf/gpu/<it>.yaml "
+            "(or --catalogue) for its own figures",
+            props.name,
+            REFERENCE_GPU,
+        )
+        return speed_for("cuda")
+    return gpu_speed(gpu)
