@@ -163,3 +163,22 @@ def test_a_cuda_device_finds_its_catalogue_entry_by_model_and_memory(
 
     found = match_device(device, int(memory_gib * 2**30))
     assert (found.name if found else None) == entry
+
+
+def test_causal_attention_is_timed_at_the_flops_its_kernel_runs() -> None:
+    """torch's SDPA formulas ignore is_causal; a causal flash kernel skips the scores above the diagonal. The time
+    model costs s(s+1)/2 of s² (forward and backward); the FLOPs figures keep torch's count."""
+    import torch.nn.functional as F
+
+    s = 128
+    q, k, v = (torch.randn(2, 4, s, 16, requires_grad=True) for _ in range(3))
+
+    def matmul_flops(causal: bool) -> tuple[int, int]:
+        with steptime.OpTrace() as t:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        return sum(key.flops * n for key, n in t.work.ops.items() if key.kind == "matmul"), t.total
+
+    full, full_total = matmul_flops(False)
+    causal, causal_total = matmul_flops(True)
+    assert full > 0 and causal_total == full_total
+    assert causal == pytest.approx(full * (s + 1) / (2 * s), rel=1e-6)
