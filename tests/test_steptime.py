@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def test_each_op_is_classified_with_its_flops_and_bytes() -> None:
     work = _trace(lambda: a @ b)
     assert work.ops == {("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
     x = torch.ones(1024)
-    assert _trace(lambda: x * x).ops == {("memory", "", 0, 3 * 1024 * 4): 1}
+    assert _trace(lambda: x * x).ops == {("memory", "", 0, 2 * 1024 * 4): 1}  # x read once, the product written
     assert set(_trace(lambda: x.view(32, 32)).ops) == {("free", "", 0, 0)}
     assert {k[0] for k in _trace(lambda: torch.nn.functional.gelu(x)).ops} == {"math"}
     assert {k[0] for k in _trace(lambda: torch.nn.functional.dropout(x, 0.5, training=True)).ops} >= {"random"}
@@ -182,3 +183,24 @@ def test_causal_attention_is_timed_at_the_flops_its_kernel_runs() -> None:
     causal, causal_total = matmul_flops(True)
     assert full > 0 and causal_total == full_total
     assert causal == pytest.approx(full * (s + 1) / (2 * s), rel=1e-6)
+
+
+def test_bytes_moved_count_each_input_once_gathers_by_row_and_in_place_writes() -> None:
+    """What the memory-bound ops are timed by: `x * x` reads x once; an embedding lookup reads its ids' rows, not
+    the table; nll_loss one log-probability per target; `_foreach_add_` (which returns nothing) writes its lists."""
+
+    def moved(fn: Any) -> int:
+        with steptime.OpTrace() as t:
+            fn()
+        return sum(k.nbytes * n for k, n in t.work.ops.items())
+
+    f32, i64 = 4, 8
+    x = torch.randn(256, 256)
+    assert moved(lambda: x * x) == 2 * x.numel() * f32  # read once, written once
+    table, ids = torch.randn(1000, 64), torch.randint(0, 1000, (4, 16))
+    assert moved(lambda: torch.nn.functional.embedding(ids, table)) == ids.numel() * (i64 + 2 * 64 * f32)
+    logp, target = torch.randn(64, 1000).log_softmax(-1), torch.randint(0, 1000, (64,))
+    # one log-probability per target, the targets, the loss and its total weight
+    assert moved(lambda: torch.nn.functional.nll_loss(logp, target)) == 64 * (f32 + i64) + 2 * f32
+    params, grads = [torch.randn(100) for _ in range(3)], [torch.randn(100) for _ in range(3)]
+    assert moved(lambda: torch._foreach_add_(params, grads)) == 3 * 100 * f32 * 3  # two lists read, one written

@@ -156,17 +156,41 @@ def causal_share(func: Any, args: Any, kwargs: Any) -> float:
     return (s + 1) / (2 * s) if s > 0 else 1.0
 
 
+def moved_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """The bytes an op reads and writes: each input tensor once (`x * x` reads x once), what it returns, and what it
+    writes in place without returning (`_foreach_add_` returns nothing). A gather reads only the rows it gathers:
+    an embedding lookup its ids' rows of the table, `nll_loss` one log-probability per target."""
+    name = func._overloadpacket.__name__
+    reads: dict[int, int] = {}
+    for t in _tensors((args, kwargs)):
+        reads.setdefault(id(t), _nbytes(t))
+    if name == "embedding" and len(args) >= 2 and isinstance(args[0], torch.Tensor):
+        weight, ids = args[0], args[1]
+        reads[id(weight)] = ids.numel() * weight.shape[-1] * weight.element_size()
+    elif name in ("nll_loss_forward", "nll_loss2d_forward") and isinstance(args[1], torch.Tensor):
+        logp, target = args[0], args[1]
+        reads[id(logp)] = target.numel() * logp.element_size()
+    writes = {id(t): _nbytes(t) for t in _tensors(out)}
+    schema = getattr(func, "_schema", None)
+    if schema is not None:  # in-place writes: counted as written too, returned or not
+        for arg, value in zip(schema.arguments, args, strict=False):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                for t in _tensors(value):
+                    writes.setdefault(id(t), _nbytes(t))
+    return sum(reads.values()) + sum(writes.values())
+
+
 def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
     """One dispatched op as (kind, dtype, FLOPs, bytes read and written)."""
     packet = func._overloadpacket
     if flops:
         inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
-        return OpKey("matmul", dtype, int(flops), sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+        return OpKey("matmul", dtype, int(flops), moved_bytes(func, args, kwargs, out))
     if getattr(func, "is_view", False) or packet.__name__ in _FREE_OPS:
         return OpKey("free", "", 0, 0)
     kind = "math" if packet.__name__ in _MATH_OPS else "random" if packet.__name__ in _RANDOM_OPS else "memory"
-    return OpKey(kind, "", 0, sum(_nbytes(t) for t in _tensors((args, kwargs, out))))
+    return OpKey(kind, "", 0, moved_bytes(func, args, kwargs, out))
 
 
 @dataclass
