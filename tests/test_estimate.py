@@ -423,3 +423,22 @@ def test_fsdp2_grouped_blocks_explain_the_view_warning_once() -> None:
     assert r.stderr.count("return their input as a stand-in") == 1, r.stderr[-2000:]
     full = _cli(*args, "policy=full", "--policies", "configured")  # no group: nothing to explain
     assert full.returncode == 0 and "stand-in" not in full.stderr, full.stderr[-2000:]
+
+
+def test_a_cuda_estimate_steps_adamw_as_torch_does_for_cuda_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch picks AdamW's foreach implementation for CUDA parameters and never for fake ones: a CUDA estimate asks
+    for it, so the optimizer phase holds foreach's temporaries (up to a copy of one parameter group) as a CUDA run
+    does; a CPU estimate keeps the per-parameter loop a CPU run takes. Parameters dominate this step, so the
+    optimizer phase sets its peak."""
+    from models import build_model
+    from trainer.core.module import DecoderModule
+
+    config = compose_config(["model=llama-tiny", "policy=full", "batch_size=1", "seq_len=16", "precision=32-true"])
+    foreach = measure(open_session(config, device="cuda"), build_policy("full"))
+    cpu = measure(open_session(config, device="cpu"), build_policy("full"))
+    assert foreach.total_peak_at == "optimizer" and any("foreach" in n for n in foreach.notes)
+    assert not any("foreach" in n for n in cpu.notes)
+    monkeypatch.setattr(DecoderModule, "optimizer_foreach", property(lambda self: None, lambda self, value: None))
+    loop = measure(open_session(config, device="cuda"), build_policy("full"))
+    params = sum(p.numel() * 4 for p in build_model(config.model, 256).parameters())
+    assert 0.5 * params < foreach.peak_bytes - loop.peak_bytes <= params

@@ -67,6 +67,11 @@ def explain_group_stand_ins(model: nn.Module) -> None:
 
 
 class DecoderModule(L.LightningModule):
+    # AdamW's implementation: None lets torch pick (foreach for CUDA parameters, the per-parameter loop on CPU).
+    # The estimator sets True for a CUDA estimate: torch never picks foreach for fake tensors, whose temporaries
+    # (about one copy of the parameters) a CUDA run has.
+    optimizer_foreach: bool | None = None
+
     def __init__(
         self,
         model: ModelConfig | dict[str, Any],
@@ -188,7 +193,13 @@ class DecoderModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim
-        opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        opt = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            foreach=self.optimizer_foreach,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, o.warmup_steps, self.max_steps, o.min_lr / o.lr)
         )

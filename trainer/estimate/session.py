@@ -369,6 +369,9 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             module._device_mesh = mesh
             module.configure_model()
         module.train()
+        if device == "cuda":  # what torch picks for real CUDA parameters, never for fake ones
+            module.optimizer_foreach = True
+            notes.append("AdamW's foreach implementation, as torch picks it for CUDA parameters")
         optimizer, scheduler = step_.optimizers_of(module)
         v = module.adapter.head.weight.shape[0]
         shape = (config.batch_size, config.seq_len)
