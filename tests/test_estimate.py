@@ -442,3 +442,22 @@ def test_a_cuda_estimate_steps_adamw_as_torch_does_for_cuda_parameters(monkeypat
     loop = measure(open_session(config, device="cuda"), build_policy("full"))
     params = sum(p.numel() * 4 for p in build_model(config.model, 256).parameters())
     assert 0.5 * params < foreach.peak_bytes - loop.peak_bytes <= params
+
+
+def test_the_advice_plans_auto_for_the_gpu_named(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """--advise's `policy=auto` row is planned with the step times of the --gpu the estimate is for, not the
+    reference GPU's (the planner ranks plans by predicted time: another GPU may rank them otherwise)."""
+    from trainer.estimate import advise as advise_module
+
+    asked: list[str | None] = []
+    real = advise_module.planner_plan
+
+    def spy(config: Any, device: str, speed: Any = None) -> Any:
+        asked.append(None if speed is None else speed.name)
+        return real(config, device, speed)
+
+    monkeypatch.setattr(advise_module, "planner_plan", spy)
+    args = ["model=micro", "seq_len=32", "--device", "cuda", "--gpu", "L4-24GB", "--budget", "1MiB", "--advise"]
+    assert main(args) == 0
+    assert asked and all(name is not None and name.startswith("L4-24GB") for name in asked), asked
+    assert "policy=auto" in capsys.readouterr().out

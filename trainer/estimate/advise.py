@@ -17,6 +17,7 @@ from trainer.estimate.fit import fit_table
 from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session, sharded_world
 from trainer.formatting import MIB
 from trainer.measure.gpus import Gpu, Reserve
+from trainer.measure.steptime import Speed
 from trainer.policies import POLICIES, build_policy
 
 
@@ -86,8 +87,10 @@ def advise(
     budget: int,
     max_world: int = 64,
     workers: int = 1,
+    speed: Speed | None = None,
 ) -> list[Advice]:
-    """Every priced change, those that fit first, each group ordered by compute."""
+    """Every priced change, those that fit first, each group ordered by compute. `speed`: the device `policy=auto`
+    plans its step times for (the estimate's `--gpu`; None: the device's default, trainer.measure.steptime)."""
     config, base = session.config, est.flops
     rows: list[Advice] = []
     usable = session.release_group()  # the changes below open sessions of their own, FSDP2's among them
@@ -98,7 +101,7 @@ def advise(
         if name != est.loss and isinstance(e, Estimate):
             rows.append(_row(f"loss={name}", (f"loss={name}",), e, base, budget))
     rows += _splits(config, session.device, base, budget)
-    rows += _auto(config, session.device, usable, base, budget)
+    rows += _auto(config, session.device, usable, base, budget, speed)
     rows += _world(config, session.device, usable, est, base, budget, max_world, workers)
     return sorted(rows, key=lambda a: (not a.fits, a.flops_ratio or math.inf, a.peak_bytes or math.inf))
 
@@ -123,14 +126,16 @@ def _splits(config: Config, device: str, base: float, budget: int) -> list[Advic
     return rows
 
 
-def _auto(config: Config, device: str, session: Session | None, base: float, budget: int) -> list[Advice]:
+def _auto(
+    config: Config, device: str, session: Session | None, base: float, budget: int, speed: Speed | None = None
+) -> list[Advice]:
     """policy=auto's plan at the budget, as the estimator plans it, measured on `session` (or a new one)."""
     budget_mib = math.floor(budget / MIB)
     policy = build_policy({"name": "auto", "budget_mib": budget_mib})
     planned = replace(config, policy=policy.cfg)
     overrides = ("policy=auto", f"policy.budget_mib={budget_mib}")
     try:
-        plan, loss_name, _ = planner_plan(planned, device)
+        plan, loss_name, _ = planner_plan(planned, device, speed)
     except UserError as e:
         return [Advice("policy=auto at the budget", overrides, None, None, False, str(e).splitlines()[0])]
     policy.choose(plan.treatments)

@@ -444,12 +444,13 @@ def _extras(
     plans: dict[str, Plan],
     gpus: list[Gpu],
     reserve: Reserve | None,
+    speed: Speed | None = None,
 ) -> tuple[list[Advice] | None, FitTable | None]:
     """The advice (a budget not met, or --advise) and the fit table (--fit), on the open session."""
     workers = min(2, os.cpu_count() or 1)
     advice = None
     if budget is not None and (args.advise or not est.fits(budget)):
-        advice = advise(session, est, table, losses, budget, args.max_world, workers)
+        advice = advise(session, est, table, losses, budget, args.max_world, workers, speed)
     fit = None
     if args.fit:
         assert reserve is not None
@@ -526,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         est = table[policy.cfg.name]
         assert isinstance(est, Estimate)
-        advice, fit = _extras(args, session, est, table, losses, budget, plans, gpus, reserve)
+        advice, fit = _extras(args, session, est, table, losses, budget, plans, gpus, reserve, speed)
     except Exception as e:
         return user_error_status(e)
     finally:
