@@ -316,7 +316,8 @@ def test_cli_llama_at_size_prints_the_table_verdict_and_json(tmp_path: Path) -> 
     t = e["predicted_step"]
     assert t["device"] == "H100-80GB" and t["ms"] >= t["matmul_ms"] > 0
     assert t["tokens_per_s"] == pytest.approx(2 * 2048 / (t["ms"] / 1e3))
-    assert e["work"]["flops"] == e["flops"] and e["work"]["sac_decisions"] == 0  # full recompute: no SAC
+    # the time model's FLOPs are the kernels' (causal attention's skipped scores left out), the figure torch's count
+    assert e["flops"] > e["work"]["flops"] > 0.9 * e["flops"] and e["work"]["sac_decisions"] == 0  # full: no SAC
     assert "predicted step ms | predicted tokens/s |" in r.stdout
     assert "step time predicted (not measured) for H100-80GB" in r.stdout
 

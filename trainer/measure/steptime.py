@@ -208,6 +208,8 @@ class Work:
 
     @property
     def flops(self) -> int:
+        """The FLOPs the kernels run, as the time model costs them: causal attention at its computed share, so below
+        the FLOPs figures (torch's count) wherever attention is causal."""
         return sum(k.flops * n for k, n in self.ops.items())
 
     @property
