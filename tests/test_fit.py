@@ -274,3 +274,29 @@ def test_a_cuda_run_logs_the_pinned_host_memory_offload_used(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["host_pinned_peak_mib"] > 0
+
+
+def test_the_fastest_first_list_costs_each_cell_at_its_own_world_size(direct: dict[int, dict[str, int]]) -> None:
+    """A cell that fits at 4 ranks is timed by the estimate at 4 ranks (its optimizer steps a quarter of the state),
+    not by the configured world's: each predicted time equals a direct estimate's at the cell's world size, and one
+    policy's time differs between world sizes."""
+    from trainer.estimate.cli import fit_times
+    from trainer.measure.steptime import gpu_speed
+
+    config = compose_config(SHAPE)
+    h100 = load_catalogue()["H100-80GB"]
+    sizes = {"one": direct[1]["none"], "two": direct[2]["none"], "four": direct[4]["none"]}
+    gpus = [Gpu(f"{k}-rank", v, bandwidth=h100.bandwidth, tflops=dict(h100.tflops)) for k, v in sizes.items()]
+    table = fit_table(config, "cuda", gpus, Reserve(), ["none"], max_world=MAX_WORLD)
+    worlds = {c.gpu: c.world_size for c in table.cells}
+    assert worlds == {"one-rank": 1, "two-rank": 2, "four-rank": 4}
+    times = fit_times(table, gpus)
+    for gpu in gpus:
+        w = worlds[gpu.name]
+        session = open_session(at_world(config, w or 1), "cuda")
+        try:
+            want = measure(session, build_policy("none")).step_time(gpu_speed(gpu)).ms
+        finally:
+            session.close()
+        assert times[(gpu.name, "none")].ms == pytest.approx(want, rel=1e-9)
+    assert times[("one-rank", "none")].ms != times[("four-rank", "none")].ms

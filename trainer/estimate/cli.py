@@ -242,19 +242,25 @@ def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: S
     )
 
 
-def fit_times(fit: FitTable, table: dict[str, Estimate | str], gpus: list[Gpu]) -> dict[tuple[str, str], StepTime]:
-    """Each cell that fits: its predicted step time per rank on that GPU, from the policy's estimate (the ranks of
-    FSDP2 each run their own micro-batches: the same ops but the optimizer's shard; collectives not costed). A
-    catalogue entry without tflops or bandwidth has none."""
+def fit_times(fit: FitTable, gpus: list[Gpu]) -> dict[tuple[str, str], StepTime]:
+    """Each cell that fits: its predicted step time per rank on that GPU, from the policy's estimate at the cell's
+    own world size (a rank's optimizer step covers its shard, its all-gathers that world's buffers; collectives
+    not costed), made where the table did not need it. A catalogue entry without tflops or bandwidth has none."""
     by_name = {g.name: g for g in gpus}
-    out = {}
-    for c in fit.cells:
-        e = table.get(c.policy)
-        gpu = by_name.get(c.gpu)
-        if c.world_size is None or not isinstance(e, Estimate) or gpu is None or not (gpu.tflops and gpu.bandwidth):
-            continue
-        out[(c.gpu, c.policy)] = e.step_time(gpu_speed(gpu))
-    return out
+    timed = [
+        c
+        for c in fit.cells
+        if c.world_size is not None and (g := by_name.get(c.gpu)) is not None and g.tflops and g.bandwidth
+    ]
+    wanted: dict[int, list[str]] = {}
+    for c in timed:
+        wanted.setdefault(c.world_size or 1, []).append(c.policy)
+    at = {w: fit.estimate_at(w, sorted(set(names))) for w, names in wanted.items()}
+    return {
+        (c.gpu, c.policy): e.step_time(gpu_speed(by_name[c.gpu]))
+        for c in timed
+        if (e := at[c.world_size or 1].get(c.policy)) is not None
+    }
 
 
 def render_fit_by_time(fit: FitTable, times: dict[tuple[str, str], StepTime], tokens: int) -> str:
@@ -539,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if advice is not None:
         assert budget is not None
         print("\n" + render_advice(est, advice, budget, args.overrides))
-    times = fit_times(fit, table, gpus) if fit is not None and not args.no_time else {}
+    times = fit_times(fit, gpus) if fit is not None and not args.no_time else {}
     if fit is not None:
         print("\n" + render_fit(fit))
         if times:

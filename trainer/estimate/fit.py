@@ -139,6 +139,17 @@ class FitTable:
     worlds_estimated: list[int]
     refusals: dict[str, str]
     loss: str
+    # The estimates made, by world size then policy, and how to make more (a cell's own world size, for its time)
+    estimates: dict[int, dict[str, Estimate | str]] = field(default_factory=dict, repr=False)
+    more: Callable[[int, list[str]], dict[str, Estimate | str]] | None = field(default=None, repr=False, compare=False)
+
+    def estimate_at(self, world: int, names: list[str]) -> dict[str, Estimate]:
+        """The policies' estimates at `world`, made now where the table did not need them."""
+        have = self.estimates.setdefault(world, {})
+        missing = [n for n in names if n not in have]
+        if missing and self.more is not None:
+            have.update(self.more(world, missing))
+        return {n: e for n in names if isinstance(e := have.get(n), Estimate)}
 
     def to_json(self) -> list[dict[str, Any]]:
         return [c.to_json() for c in self.cells]
@@ -184,6 +195,10 @@ class WorldEstimates:
         finally:
             if own is None:
                 session.close()
+
+    def remember(self, world: int, out: dict[str, Estimate | str]) -> dict[str, Estimate | str]:
+        self.known.setdefault(world, {}).update(out)
+        return out
 
 
 def _shapes(session: Session) -> list[tuple[tuple[int, ...], int]]:
@@ -248,7 +263,9 @@ def fit_table(
             _record(curves, worlds, w, sorted(which))
     cells = [_cell(g, usable[g.name], n, curves[n], config.loss.name, max_world, unit) for g in gpus for n in names]
     refusals = {n: c.refusal for n, c in curves.items() if c.refusal}
-    return FitTable(cells, max_world, reserve, sorted(set(worlds.estimated)), refusals, config.loss.name)
+    more = lambda w, which: worlds.remember(w, worlds.measure(w, which))  # noqa: E731
+    estimated = sorted(set(worlds.estimated))
+    return FitTable(cells, max_world, reserve, estimated, refusals, config.loss.name, worlds.known, more)
 
 
 def _next_world(unsure: list[int]) -> int:
@@ -259,7 +276,7 @@ def _next_world(unsure: list[int]) -> int:
 
 
 def _record(curves: dict[str, WorldCurve], worlds: WorldEstimates, world: int, names: list[str]) -> None:
-    out = worlds.measure(world, [n for n in names if not curves[n].refusal])
+    out = worlds.remember(world, worlds.measure(world, [n for n in names if not curves[n].refusal]))
     for name, est in out.items():
         curve = curves[name]
         if isinstance(est, str):
