@@ -202,7 +202,7 @@ def test_cli_fit_and_advice_in_json(tmp_path: Path, direct: dict[int, dict[str, 
         "per_rank_peak_bytes": direct[2]["none"],
         "peak_is_bound": False,
         "predicted_step_ms": None,
-    }  # fmt: skip  (no tflops in its entry: no time)
+    }  # no tflops in its entry: no time
     timed = [row for row in doc["fit"] if row["world_size"] is not None and row["gpu"] == "H100-80GB"]
     assert timed and all(row["predicted_step_ms"] > 0 for row in timed)
     assert "where it fits, fastest first (predicted, not measured" in r.stdout
