@@ -145,10 +145,10 @@ class FitTable:
 
     def estimate_at(self, world: int, names: list[str]) -> dict[str, Estimate]:
         """The policies' estimates at `world`, made now where the table did not need them."""
-        have = self.estimates.setdefault(world, {})
+        have = self.estimates.get(world, {})
         missing = [n for n in names if n not in have]
         if missing and self.more is not None:
-            have.update(self.more(world, missing))
+            have = {**have, **self.more(world, missing)}
         return {n: e for n in names if isinstance(e := have.get(n), Estimate)}
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -169,7 +169,8 @@ class WorldEstimates:
         known: dict[int, dict[str, Estimate | str]],
     ) -> None:
         self.config, self.device, self.plans, self.workers = config, device, plans, workers
-        self.session, self.known = session, known
+        self.session = session
+        self.known = {w: dict(by_name) for w, by_name in known.items()}  # grows; the caller's stays as given
         self.shapes: list[tuple[tuple[int, ...], int]] = []
         self.estimated: list[int] = []
 
@@ -186,19 +187,14 @@ class WorldEstimates:
             if not self.shapes and world == 1:
                 self.shapes = _shapes(session)
             todo = [n for n in names if n not in known]
-            return {
-                **{n: known[n] for n in names if n in known},
-                **estimate_all(
-                    session.config, session.device, self.plans, session=session, workers=self.workers, only=todo
-                ),
-            }
+            made = estimate_all(
+                session.config, session.device, self.plans, session=session, workers=self.workers, only=todo
+            )
         finally:
             if own is None:
                 session.close()
-
-    def remember(self, world: int, out: dict[str, Estimate | str]) -> dict[str, Estimate | str]:
-        self.known.setdefault(world, {}).update(out)
-        return out
+        self.known.setdefault(world, {}).update(made)  # kept: the fit table's times reuse them
+        return {n: self.known[world][n] for n in names}
 
 
 def _shapes(session: Session) -> list[tuple[tuple[int, ...], int]]:
@@ -263,9 +259,8 @@ def fit_table(
             _record(curves, worlds, w, sorted(which))
     cells = [_cell(g, usable[g.name], n, curves[n], config.loss.name, max_world, unit) for g in gpus for n in names]
     refusals = {n: c.refusal for n, c in curves.items() if c.refusal}
-    more = lambda w, which: worlds.remember(w, worlds.measure(w, which))  # noqa: E731
     estimated = sorted(set(worlds.estimated))
-    return FitTable(cells, max_world, reserve, estimated, refusals, config.loss.name, worlds.known, more)
+    return FitTable(cells, max_world, reserve, estimated, refusals, config.loss.name, worlds.known, worlds.measure)
 
 
 def _next_world(unsure: list[int]) -> int:
@@ -276,7 +271,7 @@ def _next_world(unsure: list[int]) -> int:
 
 
 def _record(curves: dict[str, WorldCurve], worlds: WorldEstimates, world: int, names: list[str]) -> None:
-    out = worlds.remember(world, worlds.measure(world, [n for n in names if not curves[n].refusal]))
+    out = worlds.measure(world, [n for n in names if not curves[n].refusal])
     for name, est in out.items():
         curve = curves[name]
         if isinstance(est, str):

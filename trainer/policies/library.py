@@ -126,14 +126,8 @@ class OpLevelSAC(Policy):
         if list(self.cfg.save_ops) == DEFAULT_SAC_SAVE_OPS:  # checked exact on every family: no guard's overhead
             return functools.partial(create_selective_checkpoint_contexts, decide)
 
-        def guarded() -> Any:  # a list of the user's own (aten.bmm, say) may save what a model then writes into
-            guard = SavedOutputGuard(self.name)
-            forward, recompute = create_selective_checkpoint_contexts(
-                lambda ctx, op, *a, **k: guard.decided(decide(ctx, op, *a, **k))
-            )
-            return _entered_together(forward, guard), recompute
-
-        return guarded
+        # a list of the user's own (aten.bmm, say) may save what a model then writes into
+        return functools.partial(SavedOutputGuard.contexts, self.name, decide)
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x, context_fn=self.context_fn)
@@ -146,15 +140,24 @@ class SavedOutputGuard(TorchDispatchMode):
     made through `aten._unsafe_view` (how a ≥3-D matmul returns bmm's or mm's output), so a model that scales
     the scores in place (Falcon: `scores /= sqrt(d)` after `q @ kᵀ`) would get silently wrong gradients from a
     policy that saves aten.bmm. Entered inside SAC's own forward mode, so it sees each op first and SAC's decision
-    for it just after (`decided`, called from the policy function)."""
+    for it just after (`last`, set by the policy function `contexts` wraps)."""
 
     def __init__(self, policy: str) -> None:
         super().__init__()
         self.policy, self.saved, self.last = policy, set[int](), CheckpointPolicy.PREFER_RECOMPUTE
 
-    def decided(self, decision: CheckpointPolicy) -> CheckpointPolicy:
-        self.last = decision
-        return decision
+    @classmethod
+    def contexts(cls, policy: str, decide: Callable[..., CheckpointPolicy]) -> tuple[Any, Any]:
+        """torch's selective-checkpoint contexts for `decide`, the forward's with a fresh guard inside: a
+        context_fn's answer for one checkpoint call."""
+        guard = cls(policy)
+
+        def decided(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            guard.last = decide(ctx, func, *args, **kwargs)
+            return guard.last
+
+        forward, recompute = create_selective_checkpoint_contexts(decided)
+        return _entered_together(forward, guard), recompute
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -162,7 +165,7 @@ class SavedOutputGuard(TorchDispatchMode):
         if schema is not None and self.saved:
             for arg, value in zip(schema.arguments, args, strict=False):
                 written = arg.alias_info is not None and arg.alias_info.is_write
-                if written and isinstance(value, torch.Tensor) and _storage(value) in self.saved - {0}:
+                if written and isinstance(value, torch.Tensor) and _storage(value) in self.saved:
                     raise PolicyError(
                         f"policy={self.policy}: this model writes in place ({func}) into the output of an op the "
                         "policy saves, which torch's selective checkpoint would hand back mutated in the recompute "
@@ -172,7 +175,7 @@ class SavedOutputGuard(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.last == CheckpointPolicy.MUST_SAVE:
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and _storage(t):  # 0: nothing to compare (a fake tensor)
                     self.saved.add(_storage(t))
         return out
 
@@ -279,10 +282,9 @@ class TorchtitanSAC(Policy):
         mm = torch.ops.aten.mm.default
         return (mm,) if self.cfg.version == "0.2" else (mm, torch.ops.aten.linear.default)
 
-    def context_fn(self) -> Any:
+    def context_fn(self) -> tuple[Any, Any]:
         count = {"forward": 0, "recompute": 0}
         save, counted = self.save, self.counted
-        guard = SavedOutputGuard(self.name)
 
         def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
@@ -290,11 +292,10 @@ class TorchtitanSAC(Policy):
             if func in counted:
                 count[mode] += 1
             if func in save and not (func in counted and count[mode] % 2 == 0):
-                return guard.decided(CheckpointPolicy.MUST_SAVE)
-            return guard.decided(CheckpointPolicy.PREFER_RECOMPUTE)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
 
-        forward, recompute = create_selective_checkpoint_contexts(decide)
-        return _entered_together(forward, guard), recompute
+        return SavedOutputGuard.contexts(self.name, decide)
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x, context_fn=self.context_fn)
