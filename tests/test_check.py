@@ -33,6 +33,18 @@ def test_exact_policies_pass_bitwise(capsys: pytest.CaptureFixture[str], policy:
     assert "| model.layers.1 | 9 | 0 | 0 |" in out  # every tensor of a layer, no difference
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fsdp2_mixed_precision_policies_pass_bitwise(capsys: pytest.CaptureFixture[str], family: str) -> None:
+    """Under trainer=fsdp2 both modules are sharded (one rank) with FSDP2's bf16 MixedPrecisionPolicy, as the run
+    shards them; none, full and both per-op policies give none's losses and gradients bitwise."""
+    model = LLAMA if family == "llama" else ["model=micro", "model.dropout=0.1"]
+    for policy in ("full", "op_sac", "torchtitan_sac"):
+        assert main([*model, *SHRINK, "trainer=fsdp2", "precision=bf16-mixed", f"policy={policy}"]) == 0, policy
+        out = capsys.readouterr().out
+        assert "compared bitwise; precision bf16-mixed (FSDP2 MixedPrecisionPolicy" in out, out
+        assert "both sharded by FSDP2" in out and "equal: every loss and gradient" in out
+
+
 def test_auto_plans_first_then_compares(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*LLAMA, *SHRINK, "policy=auto", "policy.budget_mib=1000"]) == 0
     out = capsys.readouterr().out

@@ -127,7 +127,7 @@ def test_torchtitan_first_k_is_not_expressible_on_main_and_costs_the_closest() -
     main_form, toml_form = answer.forms
     assert main_form.version.key == "0.3" and toml_form.version.key == "0.2"
     assert main_form.verdict == NOT and "one mode on every block" in main_form.rows[1].how
-    assert main_form.text.splitlines()[0].startswith("activation-checkpoint:")
+    assert main_form.text.splitlines()[0].split()[-1].startswith("activation-checkpoint:")  # after --training.*
     assert main_form.ours and main_form.closest and main_form.ours.plan == "[0-1]:full [2-5]:none"
     assert main_form.closest.plan != main_form.ours.plan
     assert toml_form.text.startswith("[activation_checkpoint]\nmode = ")
@@ -138,7 +138,7 @@ def test_torchtitan_every_second_block_is_exact_in_toml_and_main_is_refused_when
 ) -> None:
     toml_form = exported("torchtitan", *TINY, *EVERY_SECOND).forms[1]
     assert toml_form.verdict == EXACT
-    assert toml_form.chosen.settings == {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"}}
+    assert toml_form.chosen.settings["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
     assert main(["--to", "torchtitan", "--target-version", "0.3", *TINY, *EVERY_SECOND]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "torchtitan 0.3.0 (main" in err and "--target-version 0.2" in err, err
@@ -161,8 +161,14 @@ def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
     trainer_src = Path(importlib.util.find_spec("torchtitan").origin).parent / "trainer.py"  # type: ignore[arg-type]
     assert "activation_checkpoint: ActivationCheckpointingConfig = field(" in trainer_src.read_text()
 
+    from torchtitan.config.configs import TrainingConfig
+
     field = dataclasses.field(default_factory=ac.SelectiveAC.Config)  # Trainer.Config's own field and default
-    Config = dataclasses.make_dataclass("Config", [("activation_checkpoint", ac.ActivationCheckpointingConfig, field)])
+    training = dataclasses.field(default_factory=TrainingConfig)
+    Config = dataclasses.make_dataclass(
+        "Config",
+        [("activation_checkpoint", ac.ActivationCheckpointingConfig, field), ("training", TrainingConfig, training)],
+    )
 
     kinds = {"none": type(None), "full": ac.FullAC.Config, "selective": ac.SelectiveAC.Config}
     for policy, mode in (("none", "none"), ("full", "full"), ("op_sac", "selective")):
@@ -170,6 +176,17 @@ def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
         assert form.chosen.settings["activation_checkpoint"] == mode
         parsed = tyro.cli(Config, args=form.chosen.settings["args"], registry=custom_registry)
         assert isinstance(parsed.activation_checkpoint, kinds[mode])
+    # The precision travels: FSDP2's bf16 policy is torchtitan's mixed_precision_param/reduce; fp32 and pure bf16 too
+    for ours, fields in (
+        (["trainer=fsdp2", "precision=bf16-mixed"], {"mixed_precision_param": "bfloat16", "dtype": "float32"}),
+        (["precision=32-true"], {"mixed_precision_param": "float32", "dtype": "float32"}),
+        (["precision=bf16-true"], {"dtype": "bfloat16"}),
+    ):
+        form = exported("torchtitan", *TINY, "policy=full", *ours).forms[0]
+        parsed = tyro.cli(Config, args=form.chosen.settings["args"], registry=custom_registry).training
+        assert {k: getattr(parsed, k) for k in fields} == fields, (ours, form.chosen.settings["args"])
+        assert parsed.mixed_precision_reduce == "float32"
+        assert "--training." in form.text
 
 
 def test_torchtitan_per_op_policy_here_decides_as_torchtitan_does() -> None:
@@ -407,7 +424,8 @@ def test_json_and_out_hold_the_answer(tmp_path: Path) -> None:
     out, js = tmp_path / "titan.txt", tmp_path / "titan.json"
     assert main(["--to", "torchtitan", *TINY, "policy=op_sac", "--out", str(out), "--json", str(js)]) == 0
     data = json.loads(js.read_text())
-    assert out.read_text().splitlines()[0] == "activation-checkpoint:selective" == data["text"].splitlines()[0]
+    first = out.read_text().splitlines()[0]
+    assert first == data["text"].splitlines()[0] and first.split()[-1] == "activation-checkpoint:selective"
     assert (
         data["target"] == "torchtitan"
         and data["version"] == "0.3"

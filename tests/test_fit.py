@@ -103,6 +103,8 @@ def test_between_the_boundaries_a_few_estimates_decide_every_cell(direct: dict[i
     """Capacities midway between world sizes' peaks: the bounds of three or four estimates decide every cell."""
     peaks = {n: [direct[w][n] for w in range(1, MAX_WORLD + 1)] for n in POLICIES}
     capacities = sorted({(a + b) // 2 for n in POLICIES for a, b in zip(peaks[n], peaks[n][1:], strict=False)})
+    # and one roomy enough for one device, whatever the drop from one device's autocast to FSDP2's bf16 policy
+    capacities.append(max(p[0] for p in peaks.values()) + 1)
     gpus = [Gpu(f"gpu{i}", c) for i, c in enumerate(capacities)]
     table = fit_table(compose_config(SHAPE), "cuda", gpus, Reserve(), POLICIES, max_world=MAX_WORLD)
     _check_cells(table, direct)

@@ -118,3 +118,52 @@ def test_16_mixed_scales_the_loss_and_skips_a_step_whose_gradients_overflow() ->
     assert not all(bool(g.isfinite().all()) for g in grads)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # step skipped
     assert scale == 2.0**59  # backed off
+
+
+def test_fsdp2_bf16_mixed_is_fsdp2s_mixed_precision_policy(compose_cfg: Callable[..., Any]) -> None:
+    """Under trainer=fsdp2, bf16-mixed shards fp32 parameters, all-gathers and computes them in bf16 (no autocast),
+    and reduces fp32 gradients into fp32 shards, as torchtitan's MixedPrecisionPolicy; autocast stays by name."""
+    from trainer.check.compare import _one_rank_mesh
+    from trainer.core import build
+
+    config = validate(compose_cfg("model=micro", "trainer=fsdp2", "precision=bf16-mixed"))
+    assert precision.lightning_precision("bf16-mixed", config.trainer) == "32-true"  # Lightning does no autocast
+    autocast = validate(compose_cfg("model=micro", "trainer=fsdp2", "trainer.mixed_precision=autocast"))
+    assert precision.fsdp2_param_dtype("bf16-mixed", autocast.trainer) is None
+    assert precision.lightning_precision("bf16-mixed", autocast.trainer) == "bf16-mixed"
+    single = validate(compose_cfg("model=micro", "precision=bf16-mixed"))
+    assert precision.fsdp2_param_dtype("bf16-mixed", single.trainer) is None  # one device: autocast
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    with _one_rank_mesh("cpu") as mesh:
+        module = build.module(config, "none", precision="bf16-mixed")
+        module._device_mesh = mesh
+        module.configure_model()
+        linear = next(m for m in module.model.modules() if isinstance(m, torch.nn.Linear))
+        linear.register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, m.weight.dtype)))
+        x = torch.randint(0, 64, (2, 16))
+        module.loss_of((x, x)).backward()
+        shards = {p.dtype for p in module.parameters()}
+        grads = {p.grad.dtype for p in module.parameters() if p.grad is not None}
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * len(seen) and seen, seen  # bf16 all-gathered, bf16 compute
+    assert shards == {torch.float32} and grads == {torch.float32}  # fp32 master shards, fp32 reduced gradients
+
+
+@pytest.mark.parametrize("tool", ["train", "estimate", "check"])
+def test_a_precision_fsdp2s_policy_cannot_run_is_one_line(tmp_path: Path, tool: str) -> None:
+    """precision=16-mixed under FSDP2's bf16 policy: one line naming both ways out, nothing written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import CLI_ENV, ROOT
+
+    args = ["model=micro", "seq_len=32", "trainer=fsdp2", "precision=16-mixed", f"hydra.run.dir={tmp_path / 'run'}"]
+    if tool == "train":
+        r = run_cli(*args)
+    else:
+        extra = ["--device", "cuda"] if tool == "estimate" else []
+        cmd = [sys.executable, "-m", f"trainer.{tool}", *args[:-1], *extra]
+        r = subprocess.run(cmd, cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert "precision=16-mixed under trainer=fsdp2" in lines[0] and "trainer.mixed_precision=autocast" in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -251,6 +251,45 @@ def test_two_cpu_processes(tmp_path: Path, strategy: str, policy: str) -> None:
             assert abs(estimated / (run * 2**20) - 1) <= 0.005, (p, estimated, run * 2**20)
 
 
+FSDP2_FAMILIES = {
+    "gpt": ["model=micro"],
+    "llama": ["model=llama-tiny", "model.n_embd=64", "model.n_head=4", "model.mlp_hidden=172"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FSDP2_FAMILIES))
+def test_fsdp2_mixed_precision_runs_as_estimated_to_the_byte(tmp_path: Path, family: str) -> None:
+    """precision=bf16-mixed under trainer=fsdp2 is FSDP2's MixedPrecisionPolicy (bf16 parameters for compute and
+    all-gathers, fp32 reduce-scatter and shards): on 2 CPU ranks each per-op policy trains as `none` does (the same
+    losses and parameters, bitwise), and the estimator's one rank equals rank 0's measured peaks to the byte."""
+    from trainer.core.schema import compose_config
+    from trainer.estimate import measure, open_session
+    from trainer.policies import build_policy
+
+    shape = [*SMALL, *FSDP2_FAMILIES[family], "model.n_layer=4", "trainer=fsdp2", "precision=bf16-mixed"]
+    runs = {}
+    for p in ("none", "full", "op_sac", "torchtitan_sac"):
+        run_dir = tmp_path / p
+        r = run_cli(*shape, f"policy={p}", "trainer.max_steps=4", f"hydra.run.dir={run_dir}", timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "FSDP2 MixedPrecisionPolicy" in r.stdout + r.stderr  # the start line names it
+        runs[p] = summary = json.loads((run_dir / "summary.json").read_text())
+        config = compose_config([*shape, f"policy={p}"])
+        session = open_session(config)
+        try:
+            est = measure(session, build_policy(config.policy))
+        finally:
+            session.close()
+        assert est.activation_bytes == summary["per_rank"][0]["activation_peak_mib"] * 2**20, p
+        assert est.peak_bytes == summary["peak_total_mib"] * 2**20, p
+    checksums = {p: [r["param_checksum"] for r in s["per_rank"]] for p, s in runs.items()}
+    assert len({s["final_train_loss"] for s in runs.values()}) == 1, {p: s["final_train_loss"] for p, s in runs.items()}
+    assert len({tuple(c) for c in checksums.values()}) == 1, checksums
+    peaks = {p: s["per_rank"][0]["activation_peak_mib"] for p, s in runs.items()}
+    assert peaks["full"] < min(peaks["op_sac"], peaks["torchtitan_sac"]) < peaks["none"], peaks
+
+
 @pytest.mark.slow
 def test_a_run_shorter_than_the_tracked_step_reports_null_not_zero(tmp_path: Path) -> None:
     """Per-rank activation peaks that were never measured are null in summary.json, never 0.0."""

@@ -84,3 +84,47 @@ def plugin(precision: str, device_type: str) -> Any:
 
 def param_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+def fsdp2_param_dtype(precision: str, trainer: Any) -> torch.dtype | None:
+    """The dtype FSDP2's MixedPrecisionPolicy all-gathers and computes in (bf16), when the run trains under it:
+    precision=bf16-mixed (settled) on trainer.strategy=fsdp2 with trainer.mixed_precision=fsdp2. None otherwise
+    (autocast, or no mixed precision). `trainer`: the TrainerConfig."""
+    if trainer.strategy == "fsdp2" and trainer.mixed_precision == "fsdp2" and precision == "bf16-mixed":
+        return torch.bfloat16
+    return None
+
+
+def mp_policy(param: torch.dtype | None) -> Any:
+    """FSDP2's MixedPrecisionPolicy for `param` (torchtitan's: fp32 gradient reduction), or None for FSDP2's
+    default (parameters all-gathered and used in their own dtype)."""
+    if param is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)
+
+
+def lightning_precision(precision: str, trainer: Any) -> str:
+    """The precision string Lightning's Trainer (and a bare step's plugin) runs with: 32-true (no autocast) where
+    FSDP2's MixedPrecisionPolicy does the casting, else `precision` itself."""
+    return "32-true" if fsdp2_param_dtype(precision, trainer) is not None else precision
+
+
+def describe(precision: str, trainer: Any) -> str:
+    """`precision` as a run's start line and the estimator's header name it: FSDP2's policy said where it applies."""
+    if fsdp2_param_dtype(precision, trainer) is not None:
+        return f"{precision} (FSDP2 MixedPrecisionPolicy: bf16 params and all-gathers, fp32 reduce-scatter)"
+    return precision
+
+
+def refuse_under_fsdp2(precision: str, trainer: Any) -> str | None:
+    """The one line for a precision FSDP2's mixed-precision policy cannot run, or None. `trainer`: the
+    TrainerConfig (its strategy and mixed_precision)."""
+    if trainer.strategy == "fsdp2" and trainer.mixed_precision == "fsdp2" and precision == "16-mixed":
+        return (
+            "precision=16-mixed under trainer=fsdp2: FSDP2's mixed-precision policy here trains bf16, as torchtitan "
+            "does (fp16 needs a gradient scaler); use precision=bf16-mixed, or trainer.mixed_precision=autocast "
+            "for fp16 autocast over fp32 shards"
+        )
+    return None

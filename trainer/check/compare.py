@@ -18,9 +18,10 @@ Bad input: one line, exit 2.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +56,7 @@ class CheckResult:
     groups: dict[str, Difference] = field(default_factory=dict)
     first_failure: str | None = None
     own_loss: tuple[float, float] | None = None  # HF: (the project's loss, the model's own forward's), dropout off
+    setting: str = ""  # how both sides ran (precision; FSDP2 sharding)
 
     @property
     def equal(self) -> bool:
@@ -147,6 +149,9 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
 
     device = torch.device(build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
+    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
+    if refusal:
+        raise ConfigError(refusal)
     compiled = bool(config.trainer.compile)
     if tolerance is None:
         tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
@@ -162,23 +167,69 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
             f"{len(loader)}; lower --steps (or accum), or give a larger corpus"
         )
     batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * config.accum), strict=False)]
-    plugin = precision_.plugin(chosen, device.type)
+    step_precision = precision_.lightning_precision(chosen, config.trainer)
+    plugin = precision_.plugin(step_precision, device.type)
+    with _one_rank_mesh(device.type) if config.trainer.strategy == "fsdp2" else contextlib.nullcontext() as mesh:
 
-    def build_one(p: Any) -> DecoderModule:
-        torch.manual_seed(config.seed)
-        m = build.module(config, p, vocab_size=build.vocab(config, data), hf_config=hf_config)
-        m = plugin.convert_module(m).to(device)
-        m.train()
-        return m
+        def build_one(p: Any) -> DecoderModule:
+            torch.manual_seed(config.seed)
+            m = build.module(config, p, vocab_size=build.vocab(config, data), hf_config=hf_config, precision=chosen)
+            m = plugin.convert_module(m).to(device)
+            m.train()
+            if mesh is not None:  # sharded as the run shards it: FSDP2 per layer, its mixed-precision policy
+                m._device_mesh = mesh
+                m.configure_model()
+            return m
 
-    ref, mod = build_one("none"), build_one(policy)
-    if policy.planned_first:  # planned on the first batch, as at fit start
-        _plan_first(config, policy, ref, mod, batches[0], chosen)
-    if compiled:
-        ref.configure_model()
-        mod.configure_model()
+        ref, mod = build_one("none"), build_one(policy)
+        if policy.planned_first:  # planned on the first batch, as at fit start
+            _plan_first(config, policy, ref, mod, batches[0], step_precision)
+        if compiled and mesh is None:
+            ref.configure_model()
+            mod.configure_model()
+        out = _compare(config, policy, ref, mod, batches, plugin, steps, tolerance)
+    out.setting = f"precision {precision_.describe(chosen, config.trainer)}" + (
+        ", both sharded by FSDP2 over a one-rank process group" if config.trainer.strategy == "fsdp2" else ""
+    )
+    return out
+
+
+@contextlib.contextmanager
+def _one_rank_mesh(device_type: str) -> Iterator[Any]:
+    """trainer=fsdp2: a device mesh over a one-rank process group of this process, so both modules are sharded
+    (FSDP2's hooks, all-gathers and mixed-precision casts run as on every rank of the run); closed after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise ConfigError("trainer=fsdp2 check: a process group is already initialised in this process")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh(device_type, (1,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A one-rank FSDP2 shard (DTensor) as the plain tensor it holds whole."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _compare(
+    config: Any,
+    policy: Any,
+    ref: Any,
+    mod: Any,
+    batches: list[Any],
+    plugin: Any,
+    steps: int,
+    tolerance: float,
+) -> CheckResult:
+    """Step both modules `steps` times on the same batches and RNG; compare every gradient and loss."""
+    device = batches[0][0].device
     for a, b in zip(ref.state_dict().values(), mod.state_dict().values(), strict=True):
-        assert torch.equal(a, b), "the two modules must start from the same weights"
+        assert torch.equal(_local(a), _local(b)), "the two modules must start from the same weights"
     out = CheckResult(policy.cfg.name, mod.model.activation_plan.describe(), steps, tolerance, tolerance == 0.0)
     out.own_loss = own_loss(ref, batches[0], plugin)
     if out.own_loss is not None and abs(out.own_loss[0] - out.own_loss[1]) > OWN_LOSS_TOLERANCE * abs(out.own_loss[1]):
@@ -202,7 +253,7 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
 
             def keep(m: Any = m, k: int = k, out: dict[int, list[torch.Tensor]] = grads) -> None:
                 out[k] = [  # a parameter no token reached (an expert none routed to) has no gradient: zeros
-                    torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                    torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad).detach().clone()
                     for p in m.model.parameters()
                     if p.requires_grad
                 ]
@@ -217,7 +268,7 @@ def render(result: CheckResult) -> str:
     how = "bitwise" if result.exact else f"within {result.tolerance:g} relative"
     lines = [
         f"policy={result.policy} (plan {result.plan}) vs none: {result.steps} optimizer step(s) from the same weights "
-        f"and batches, the same dropout masks; compared {how}",
+        f"and batches, the same dropout masks; compared {how}" + (f"; {result.setting}" if result.setting else ""),
         "",
         markdown_table(
             ("step", "loss (none)", "loss (policy)", "Δ"),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainer import precision as precision_
 from trainer.core.data import TextDataModule
 from trainer.core.module import DecoderModule
 from trainer.core.schema import Config, model_vocab, vocab_for
@@ -83,10 +84,13 @@ def module(
     vocab_size: int | None = None,
     hf_config: Any = None,
     loss: LossConfig | None = None,
+    precision: str | None = None,
 ) -> DecoderModule:
     """The run's LightningModule: the configured model (any family) with `policy` installed, the loss head
-    (`loss`: another than the configured one), AdamW and its schedule. Initialised by the caller's torch RNG."""
-    return DecoderModule(
+    (`loss`: another than the configured one), AdamW and its schedule. Initialised by the caller's torch RNG.
+    `precision`: the settled precision (default config.precision, settled by a run's preflight), which decides
+    FSDP2's mixed-precision policy when the module is sharded."""
+    m = DecoderModule(
         config.model,
         policy,
         config.optim,
@@ -96,3 +100,5 @@ def module(
         vocab_size=vocab_size if vocab_size is not None else model_vocab(config),
         hf_config=hf_config,
     )
+    m.fsdp_param_dtype = precision_.fsdp2_param_dtype(precision or config.precision, config.trainer)
+    return m

@@ -71,6 +71,10 @@ class DecoderModule(L.LightningModule):
     # The estimator sets True for a CUDA estimate: torch never picks foreach for fake tensors, whose temporaries
     # (about one copy of the parameters) a CUDA run has.
     optimizer_foreach: bool | None = None
+    # FSDP2's MixedPrecisionPolicy parameter dtype (trainer/precision.py: fsdp2_param_dtype), set by the builder for
+    # precision=bf16-mixed under trainer=fsdp2: shards stay fp32, all-gathers and compute run in it. None: shards
+    # are all-gathered and used in their own dtype.
+    fsdp_param_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -126,10 +130,13 @@ class DecoderModule(L.LightningModule):
         if mesh is not None and not self._sharded:
             from torch.distributed.fsdp import fully_shard
 
+            from trainer.precision import mp_policy
+
             dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+            kwargs = {"mp_policy": mp_policy(self.fsdp_param_dtype)} if self.fsdp_param_dtype is not None else {}
             for layer in self.adapter.layers:
-                fully_shard(layer, mesh=dp_mesh)
-            fully_shard(self.model, mesh=dp_mesh)
+                fully_shard(layer, mesh=dp_mesh, **kwargs)
+            fully_shard(self.model, mesh=dp_mesh, **kwargs)
             self._sharded = True
             explain_group_stand_ins(self.model)
         # After the policy (so compile sees the checkpoint regions) and once the model is on its device.

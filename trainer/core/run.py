@@ -69,6 +69,9 @@ def preflight(cfg: Config, run_dir: Path) -> Path | None:
     if cfg.precision == "auto":
         log.info(why)
     cfg.precision = chosen
+    refusal = precision.refuse_under_fsdp2(chosen, cfg.trainer)
+    if refusal:
+        raise ConfigError(refusal)
     if chosen == "16-mixed" and device != "cuda":
         raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=auto, bf16-mixed or 32-true on CPU")
     if chosen.startswith("bf16") and device == "cuda" and not torch.cuda.is_bf16_supported():
@@ -95,7 +98,7 @@ def probe_trainer(cfg: Config) -> None:
             devices=t.devices,
             strategy=lightning_strategy(t),
             num_nodes=t.num_nodes,
-            precision=cfg.precision,
+            precision=precision.lightning_precision(cfg.precision, t),
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -249,7 +252,8 @@ class Run:
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=config.accum,
-            precision=config.precision,
+            # FSDP2's mixed-precision policy casts for itself: Lightning then runs without autocast
+            precision=precision.lightning_precision(config.precision, t),
             gradient_clip_val=t.grad_clip or None,
             # Lightning counts validation intervals in micro-batches; the config speaks optimizer steps.
             val_check_interval=t.val_every_n_steps * config.accum,
@@ -284,7 +288,7 @@ class Run:
             module.policy.cfg.name,
             "chosen at fit start" if module.policy.planned_first else module.model.activation_plan.describe(),
             config.loss.name,
-            config.precision,
+            precision.describe(config.precision, config.trainer),
             f"{module.adapter.num_parameters():,}",
             data.train_tokens,
             data.val_tokens,

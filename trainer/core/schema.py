@@ -107,6 +107,10 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: Any = 1
     strategy: str = "auto"
+    # precision=bf16-mixed under strategy=fsdp2: `fsdp2` is FSDP2's MixedPrecisionPolicy as torchtitan sets it (bf16
+    # parameters for compute and all-gathers, fp32 gradient reduce-scatter, fp32 sharded master weights and AdamW
+    # state); `autocast` is Lightning's autocast over fp32 shards (fp32 all-gathers). Other strategies autocast.
+    mixed_precision: str = "fsdp2"
     num_nodes: int = 1
     compile: bool = False  # torch.compile the model (after the policy is applied)
     enable_progress_bar: bool = True
@@ -119,6 +123,8 @@ class TrainerConfig:
     host_memory_limit_mib: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mixed_precision not in ("fsdp2", "autocast"):
+            raise ValueError(f"trainer.mixed_precision={self.mixed_precision!r}; choose fsdp2 or autocast")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}; choose stop or skip")
         if self.host_memory_limit_mib is not None and self.host_memory_limit_mib < 1:

@@ -198,6 +198,9 @@ def bare_step(
             ahead = tuple(t.clone() for t in batches[(i + 1) % accum])  # a fresh copy, as a loader makes one
         with precision_plugin.forward_context():
             loss = module.loss_of(batch)
+        # What training_step keeps alive until the next micro-batch's: the loss itself (module.last_loss, for the
+        # numeric guard) and self.log's copy of it (Lightning's on-step cache of a logged tensor is a clone).
+        held = (loss.detach(), loss.detach().clone())
         closure_loss = loss / accum  # Lightning's ClosureResult: normalised by accumulate_grad_batches
         losses.append(closure_loss.detach().clone())
         del loss
@@ -220,6 +223,7 @@ def bare_step(
     if before_update is not None:
         before_update()
     optimizer_phase(params, optimizer, grad_clip, scaler, scheduler)
+    del held  # through the update, as the run holds them
     return torch.stack(losses).sum()
 
 

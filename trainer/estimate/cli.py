@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from trainer import precision as precision_
 from trainer.core.rundir import check_writable, write_json_atomic
 from trainer.core.schema import OneLineParser, compose_config, user_error_status
 from trainer.errors import UserError
@@ -108,7 +109,8 @@ def _header(session: Session, est: Estimate) -> list[str]:
         f"model {config.model.name} ({d['family']}): {d['n_layer']} layers, n_embd {d['n_embd']}, {d['n_head']} heads "
         f"({d['n_kv_head']} key/value), vocab {d['vocab_size']}, {d['params']:,} parameters; "
         f"attention={d['attention']}, tied head={d['tied_head']}",
-        f"micro-batch {config.batch_size} × {config.seq_len} tokens, accum={config.accum}, precision={est.precision}, "
+        f"micro-batch {config.batch_size} × {config.seq_len} tokens, accum={config.accum}, "
+        f"precision={precision_.describe(est.precision, config.trainer)}, "
         f"loss={est.loss}, device={est.device} (--device cpu|cuda)",
     ]
     return lines + [f"assumption: {n}" for n in dict.fromkeys(est.notes)]

@@ -55,7 +55,8 @@ def plan_result_for_config(
         with contextlib.closing(session), session.active():
             for p in session.module.parameters():  # the profile measures its own state from none
                 p.grad = None
-            return plan_module(config, session.module, policy, session.batches[0], session.precision, speed)
+            step_precision = precision_.lightning_precision(session.precision, config.trainer)
+            return plan_module(config, session.module, policy, session.batches[0], step_precision, speed)
     device = torch.device(device if device is not None else build.train_device(config))
     chosen, _ = precision_.resolve(config.precision, device.type)
     cpu = torch.get_rng_state()

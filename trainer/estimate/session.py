@@ -357,11 +357,20 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         )
     elif config.trainer.strategy == "ddp":
         notes.append("trainer=ddp: one rank, without DDP's gradient buckets (a further copy of the gradients)")
+    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
+    if refusal:
+        raise ConfigError(refusal)
+    if precision_.fsdp2_param_dtype(chosen, config.trainer) is not None:
+        notes.append(
+            "precision=bf16-mixed under FSDP2: its MixedPrecisionPolicy (bf16 parameters for compute and all-gathers, "
+            "fp32 gradient reduce-scatter, fp32 sharded master weights and AdamW state), no autocast; "
+            "trainer.mixed_precision=autocast estimates autocast over fp32 shards"
+        )
     fake = FakeTensorMode()
-    plugin = _plugin(chosen, fake_device, autocast_cache, notes)
+    plugin = _plugin(precision_.lightning_precision(chosen, config.trainer), fake_device, autocast_cache, notes)
     with fake, rules, _real_semantics(config), torch.device(fake_device):
         torch.manual_seed(config.seed)
-        module = build.module(config, "none", vocab_size=vocab, hf_config=hf_config)
+        module = build.module(config, "none", vocab_size=vocab, hf_config=hf_config, precision=chosen)
         dtype = precision_.param_dtype(chosen)
         if dtype != torch.float32:
             _to_dtype(module, dtype)  # what the plugin's convert_module (module.to(dtype)) does

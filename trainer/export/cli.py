@@ -38,6 +38,17 @@ class ExportResult:
     planner: str
 
 
+def unsharded_class(layer: torch.nn.Module) -> type:
+    """The model's own block class: FSDP2 (trainer=fsdp2) swaps a sharded module's class for a generated subclass
+    (FSDP<name>, bases FSDPModule and the original), which no user can import."""
+    cls = type(layer)
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        return next(b for b in cls.__bases__ if b is not FSDPModule)
+    return cls
+
+
 def build_context(config: Config, device: str) -> tuple[ExportInput, Session, str]:
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
     the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
@@ -64,7 +75,15 @@ def build_context(config: Config, device: str) -> tuple[ExportInput, Session, st
     rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     rates.append(float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0))
     ctx = ExportInput(
-        config, policy, plan, adapter.n_layer, adapter.attention, type(adapter.layers[0]), max(rates), session.device
+        config,
+        policy,
+        plan,
+        adapter.n_layer,
+        adapter.attention,
+        unsharded_class(adapter.layers[0]),
+        max(rates),
+        session.device,
+        session.precision,
     )
     return ctx, session, planner
 

@@ -80,6 +80,7 @@ class ExportInput:
     layer_class: type
     dropout: float
     device: str
+    precision: str = "32-true"  # settled (auto resolved): what the run trains in
 
     @property
     def elements(self) -> list[Element]:

@@ -60,7 +60,13 @@ class Torchtitan(Target):
         if not main and (cover := covering_nth(ctx.plan, from_one)) and cover != nth:
             out.append(self._nth(n, cover))
         full = self._mode("full", Plan.uniform(n, "full"), main)
-        return [full, *out] if only == "full" else [*out, full]
+        chosen = [full, *out] if only == "full" else [*out, full]
+        training = training_precision(ctx.precision)
+        for c in chosen:
+            c.settings["training"] = training
+            if main:  # flags before the subcommand: tyro reads what follows it as the subcommand's own
+                c.settings["args"] = [*[f"--training.{k}={v}" for k, v in training.items()], *c.settings["args"]]
+        return chosen
 
     @staticmethod
     def _mode(mode: str, plan: Plan, main: bool, custom: dict[str, Policy] | None = None) -> Candidate:
@@ -148,12 +154,33 @@ class Torchtitan(Target):
         return LossMap(APPROX, why + extra, {"loss": code}, ctx.loss.name)
 
     def render(self, chosen: Candidate, loss: LossMap, ctx: ExportInput, version: Version) -> str:
-        s = chosen.settings["activation_checkpoint"]
+        s, training = chosen.settings["activation_checkpoint"], chosen.settings["training"]
+        note = [f"# {NO_FP16}"] if ctx.precision == "16-mixed" else []
         if version.key == MAIN.key:
             cls = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[s]
-            lines = [f"activation-checkpoint:{s}", f"# or in a config_registry function: activation_checkpoint={cls},"]
+            lines = [
+                " ".join(chosen.settings["args"]),
+                *note,
+                f"# or in a config_registry function: activation_checkpoint={cls},",
+            ]
             if "loss" in loss.settings:
                 lines.append(f"# loss (config_registry only): {loss.settings['loss']}")
             return "\n".join(lines)
         lines = ["[activation_checkpoint]"] + [f'{k} = "{v}"' for k, v in s.items()]
+        lines += ["", "[training]"] + [f'{k} = "{v}"' for k, v in training.items()] + note
         return "\n".join(lines)
+
+
+NO_FP16 = "torchtitan trains in bf16 or fp32 only: precision=16-mixed has no torchtitan form (fp32 written)"
+
+
+def training_precision(precision: str) -> dict[str, str]:
+    """Our precision as torchtitan's [training] fields (names read from 0.3.0's TrainingConfig, the same in 0.2).
+    bf16-mixed is its mixed_precision_param=bfloat16 with fp32 gradient reduction: FSDP2's MixedPrecisionPolicy
+    under FSDP (our trainer=fsdp2 default), autocast on one device or DDP, as ours; bf16-true is training.dtype
+    bfloat16 (no fp32 master weights)."""
+    if precision == "bf16-mixed":
+        return {"mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32"}
+    if precision == "bf16-true":
+        return {"dtype": "bfloat16"}
+    return {"mixed_precision_param": "float32"}
