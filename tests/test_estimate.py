@@ -312,7 +312,8 @@ def test_cli_llama_at_size_prints_the_table_verdict_and_json(tmp_path: Path) -> 
     # at vocab 128,256 the logits dominate the head; what stays is the weight's bf16 copy and (tied) gradient buffer
     assert heads["chunked"] < heads["standard"] / 2 and heads["fused"] < heads["standard"] / 2
     # --device cuda without --gpu: step times predicted for the reference GPU, labelled, with their assumptions
-    assert data["step_time_device"] == "H100-80GB" and "collectives not costed" in data["step_time_assumptions"]
+    assert data["step_time_device"] == "H100-80GB"
+    assert any("FSDP2 collectives at 80% of 450 GB/s" in a for a in data["step_time_assumptions"])
     t = e["predicted_step"]
     assert t["device"] == "H100-80GB" and t["ms"] >= t["matmul_ms"] > 0
     assert t["tokens_per_s"] == pytest.approx(2 * 2048 / (t["ms"] / 1e3))

@@ -83,6 +83,60 @@ def test_the_roofline_arithmetic() -> None:
     assert _speed(True).predict(work).ms == pytest.approx(16.0)
 
 
+def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_exposed() -> None:
+    """Ring collectives: each rank sends (W−1)/W of what is gathered or reduced. Per micro-batch every unit is
+    all-gathered for the forward, the layers again for the backward, every gradient reduce-scattered; the first
+    all-gather of each pass and the last reduce-scatter are exposed, the rest hides behind compute up to its
+    length."""
+    c = steptime.Collectives.fsdp2([100, 100, 100], 50, world=4, param_bytes=2, reduce_bytes=4, micro_batches=2)
+    per_micro = (350 * 2 + 300 * 2 + 350 * 4) * 3 / 4
+    assert c.sent_bytes == int(per_micro) * 2
+    assert c.exposed_bytes == int(((50 + 100) * 2 + 100 * 2 + (50 + 100) * 4) * 3 / 4) * 2
+    assert (
+        steptime.Collectives.fsdp2([100], 50, world=1, param_bytes=2, reduce_bytes=4, micro_batches=1).sent_bytes == 0
+    )
+    speed = Speed("t", {"fp32": ((1.0, 1e9),)}, {"memory": ((1.0, 1e9),)}, 0.0, 0.0, 0.0, gpu_link=1e9, overlapped=True)
+    work = Work()
+    work.ops[OpKey("matmul", "fp32", 10_000_000, 0)] = 1  # 10 ms of compute
+    work.collectives = steptime.Collectives(sent_bytes=8_000_000, exposed_bytes=1_000_000)  # 8 ms, 1 ms exposed
+    t = speed.predict(work)
+    assert t.collective_ms == pytest.approx(8.0) and t.exposed_collective_ms == pytest.approx(1.0)
+    assert t.ms == pytest.approx(11.0)
+    work.collectives = steptime.Collectives(sent_bytes=15_000_000, exposed_bytes=1_000_000)  # more than compute hides
+    assert speed.predict(work).ms == pytest.approx(10.0 + 1.0 + (14.0 - 10.0))
+    assert Speed("cpu", speed.matmul, speed.bandwidth, 0.0, 0.0, 0.0).predict(work).ms == pytest.approx(10.0)
+
+
+def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move() -> None:
+    """The estimator's FSDP2 rank: parameters all-gathered in bf16 under FSDP2's mixed-precision policy (fp32 under
+    autocast over fp32 shards), gradients reduced in fp32; a fit table's GPU prices them."""
+    from trainer.core.schema import compose_config
+    from trainer.estimate import measure, open_session
+    from trainer.policies import build_policy
+
+    sent = {}
+    for mode in ("fsdp2", "autocast"):
+        config = compose_config(
+            ["model=micro", "seq_len=16", "batch_size=2", "trainer=fsdp2", "precision=bf16-mixed"]
+            + [f"trainer.mixed_precision={mode}"]
+        )
+        session = open_session(config, "cuda")
+        try:
+            est = measure(session, build_policy(config.policy))
+            layers = [sum(p.numel() for p in layer.parameters()) for layer in session.module.adapter.layers]
+            total = sum(p.numel() for p in session.module.model.parameters())
+        finally:
+            session.close()
+        c = est.work.collectives
+        param = 2 if mode == "fsdp2" else 4
+        expected = steptime.Collectives.fsdp2(layers, total - sum(layers), 2, param, 4, 1)
+        assert c == expected and c.sent_bytes > 0
+        sent[mode] = c.sent_bytes
+        t = est.step_time(steptime.gpu_speed(load_catalogue()["H100-80GB"]))
+        assert t.collective_ms > 0 and t.exposed_collective_ms > 0
+    assert sent["fsdp2"] < sent["autocast"]
+
+
 def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:
     curve = ((1e3, 1e9), (1e5, 1e11))
     assert steptime._rate(curve, 1e4) == pytest.approx(1e10)
@@ -94,7 +148,9 @@ def test_a_catalogue_gpu_states_its_assumptions() -> None:
     speed = steptime.gpu_speed(gpus["H100-80GB"], fp32_matmul="fp32")
     assert speed.overlapped and speed.matmul["bf16"][0][1] == pytest.approx(989e12 * steptime.GPU_MATMUL_EFFICIENCY)
     text = speed.describe()
-    assert "60% of peak" in text and "80% of 3.35 TB/s" in text and "collectives not costed" in text
+    assert "60% of peak" in text and "80% of 3.35 TB/s" in text and "FSDP2 collectives at 80% of 450 GB/s" in text
+    assert speed.gpu_link == pytest.approx(450e9 * steptime.GPU_LINK_EFFICIENCY)
+    assert "collectives not costed" in steptime.gpu_speed(Gpu("bare", 2**30, 1e12, {"bf16": 1.0})).describe()
     with pytest.raises(ValueError, match="needs tflops and bandwidth"):
         steptime.gpu_speed(Gpu("bare", 2**30))
     assert steptime.speed_for("cuda").name == steptime.REFERENCE_GPU

@@ -83,6 +83,13 @@ def render(
     if speed is not None:
         lines += [f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.steptime:"]
         lines += [f"  assumption: {a}" for a in speed.assumptions]
+        c = est.work.collectives
+        if c.sent_bytes:
+            t = est.step_time(speed)
+            lines += [
+                f"  collectives: {c.described}; {t.collective_ms:,.1f} ms on the link, "
+                f"{t.exposed_collective_ms:,.1f} ms of it exposed (policy={est.policy})"
+            ]
     if losses:
         config = session.config
         lines += [

@@ -26,7 +26,7 @@ from trainer.core import step as step_
 from trainer.core.module import explain_group_stand_ins
 from trainer.core.schema import Config, ConfigError, model_vocab
 from trainer.loss import LossConfig
-from trainer.measure.steptime import OpTrace, Speed, StepTime, Work
+from trainer.measure.steptime import Collectives, OpTrace, Speed, StepTime, Work
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.policies.offload import HostLedger, offload_to_ledger
 
@@ -397,6 +397,22 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     return session
 
 
+def _collectives(session: Session) -> Collectives:
+    """FSDP2's traffic for one rank's step: each layer a unit, the root the rest, all-gathered in the dtype compute
+    sees (FSDP2's MixedPrecisionPolicy's bf16, else the shards' own) and reduced in fp32 under that policy."""
+    if session.world <= 1:
+        return Collectives()
+    module = session.module
+    units = [sum(p.numel() for p in layer.parameters()) for layer in module.adapter.layers]
+    total = sum(p.numel() for p in module.model.parameters())
+    own = next(p for p in module.model.parameters()).dtype
+    param = module.fsdp_param_dtype or own
+    reduce = torch.float32 if module.fsdp_param_dtype is not None else own
+    return Collectives.fsdp2(
+        units, total - sum(units), session.world, param.itemsize, reduce.itemsize, session.config.accum
+    )
+
+
 def sharded_world(config: Config) -> int:
     """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1."""
     t = config.trainer
@@ -472,6 +488,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     work = counter.work
     work.host_copy_bytes = 2 * session.host.copied
     work.prefetch = bool(policy.treatment_policy("offload").cfg.prefetch)
+    work.collectives = _collectives(session)
     fwd = forward.get("flops", 0) * accum
     layers = [figures.after_forward.get(f"layer {i}", 0) for i in range(module.adapter.n_layer)]
     return Estimate(

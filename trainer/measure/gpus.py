@@ -1,6 +1,6 @@
-"""The GPU catalogue: one yaml per GPU in conf/gpu/ (memory, bandwidth, peak throughput per dtype, host link), which
-the estimator's fit table reads. A user adds a GPU by adding a file there, or names other files or folders with
-`--catalogue`; an entry of the same name replaces the shipped one.
+"""The GPU catalogue: one yaml per GPU in conf/gpu/ (memory, bandwidth, peak throughput per dtype, host and GPU links),
+which the estimator's fit table reads. A user adds a GPU by adding a file there, or names other files or folders
+with `--catalogue`; an entry of the same name replaces the shipped one.
 
 The reserve: what a GPU's memory holds besides the step's tensors, which no estimate on tensors can see: the CUDA
 context (about 0.5–1 GiB), cuBLAS/cuDNN workspaces, NCCL buffers and the caching allocator's fragmentation.
@@ -77,13 +77,14 @@ class Reserve:
 @dataclass(frozen=True)
 class Gpu:
     """One catalogue entry. `tflops`: dense peak per dtype (bf16, fp16, tf32, fp32); `host_link`: host↔device copy
-    rate in bytes per second."""
+    rate in bytes per second; `gpu_link`: what one GPU sends to its peers per second (FSDP2's collectives)."""
 
     name: str
     memory_bytes: int
     bandwidth: float = 0.0  # bytes per second
     tflops: dict[str, float] = field(default_factory=dict)
     host_link: float = 0.0
+    gpu_link: float = 0.0  # bytes/s one GPU sends to its peers (NVLink per direction; PCIe where there is none)
     source: str = ""
 
 
@@ -103,6 +104,7 @@ def _entry(path: Path) -> Gpu:
             bandwidth=_rate(node["bandwidth"], f"{path.name}: bandwidth") if "bandwidth" in node else 0.0,
             tflops=_tflops(node.get("tflops") or {}, path),
             host_link=_rate(node["host_link"], f"{path.name}: host_link") if "host_link" in node else 0.0,
+            gpu_link=_rate(node["gpu_link"], f"{path.name}: gpu_link") if "gpu_link" in node else 0.0,
             source=str(path),
         )
     except ValueError as e:

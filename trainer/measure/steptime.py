@@ -15,7 +15,9 @@ device's bandwidth, and each op launched pays a fixed cost (dispatch, autograd's
 further cost per op it decides on (its policy function and cache, in Python). On a CPU these add up, one op after the
 other; on a GPU the host runs ahead of the kernels, so the step takes the longer of the two sums. Offload's copies
 go over the host link, on a stream of their own, hidden behind the step's compute up to its length (with prefetch;
-without it they are exposed in full). Collectives (FSDP2's all-gathers and reduce-scatters) are not costed.
+without it they are exposed in full). FSDP2's all-gathers and reduce-scatters go over the GPU link (`Collectives`):
+the first all-gather of forward and backward and the last reduce-scatter exposed, the rest hidden behind compute up
+to its length, as FSDP2 prefetches; on a CPU they are not costed.
 
 Not FlopCounterMode for the trace: it sums FLOPs per module and has no bytes or per-op record (FlopTally's reasons
 apply too: trainer/measure/flops.py).
@@ -193,15 +195,52 @@ def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
     return OpKey(kind, "", 0, moved_bytes(func, args, kwargs, out))
 
 
+@dataclass(frozen=True)
+class Collectives:
+    """FSDP2's traffic in one optimizer step, as the bytes one rank sends over the GPU link (a ring all-gather or
+    reduce-scatter of N bytes over W ranks sends N·(W−1)/W from each). `exposed`: what no compute can hide, the
+    first all-gather of each forward and backward and the last reduce-scatter; the rest runs on FSDP2's own streams
+    while the neighbouring layer computes (it prefetches the next all-gather), hidden up to the compute's length."""
+
+    sent_bytes: int = 0
+    exposed_bytes: int = 0
+    world: int = 1
+    described: str = ""
+
+    @classmethod
+    def fsdp2(
+        cls, units: list[int], root: int, world: int, param_bytes: int, reduce_bytes: int, micro_batches: int
+    ) -> Collectives:
+        """`units`: each sharded layer's parameter count (in forward order), `root`: the root's own (embedding, final
+        norm, head), each all-gathered in `param_bytes` per value and its gradient reduce-scattered in
+        `reduce_bytes`. Per micro-batch: every unit all-gathered for the forward, the layers again for the backward
+        (they reshard after forward, the root does not), every unit's gradient reduce-scattered (FSDP2 reduces at
+        each backward unless told not to sync)."""
+        if world <= 1 or not units:
+            return cls()
+        share = (world - 1) / world
+        forward = (sum(units) + root) * param_bytes
+        backward = sum(units) * param_bytes
+        reduce = (sum(units) + root) * reduce_bytes
+        exposed = (root + units[0]) * param_bytes + units[-1] * param_bytes + (root + units[0]) * reduce_bytes
+        sent = int((forward + backward + reduce) * share) * micro_batches
+        what = (
+            f"FSDP2 over {world} ranks: per micro-batch {forward / 2**30:.2f} GiB all-gathered for the forward, "
+            f"{backward / 2**30:.2f} GiB for the backward, {reduce / 2**30:.2f} GiB of gradients reduce-scattered"
+        )
+        return cls(sent, int(exposed * share) * micro_batches, world, what)
+
+
 @dataclass
 class Work:
-    """What a step asks of a device: its ops, aggregated by (kind, dtype, FLOPs, bytes), the SAC decisions made
-    and offload's host copies (bytes, both ways)."""
+    """What a step asks of a device: its ops, aggregated by (kind, dtype, FLOPs, bytes), the SAC decisions made,
+    offload's host copies (bytes, both ways) and FSDP2's collectives."""
 
     ops: Counter[OpKey] = field(default_factory=Counter)
     sac_decisions: int = 0
     host_copy_bytes: int = 0
     prefetch: bool = True  # offload's copies overlap the compute
+    collectives: Collectives = field(default_factory=Collectives)
 
     def count(self, kind: str) -> int:
         return sum(n for k, n in self.ops.items() if k.kind == kind)
@@ -223,6 +262,7 @@ class Work:
             "bytes": self.bytes_moved,
             "sac_decisions": self.sac_decisions,
             "host_copy_bytes": self.host_copy_bytes,
+            "collective_bytes": self.collectives.sent_bytes,
         }
 
 
@@ -283,7 +323,7 @@ def _rate(curve: RateCurve, size: float) -> float:
 @dataclass(frozen=True)
 class StepTime:
     """A predicted time and where it goes (milliseconds). `ms` = compute + host + exposed copies on a CPU; on a GPU
-    the longer of the kernels (matmul + memory) and the host's dispatch, plus exposed copies."""
+    the longer of the kernels (matmul + memory) and the host's dispatch, plus exposed copies and collectives."""
 
     ms: float
     matmul_ms: float
@@ -292,6 +332,8 @@ class StepTime:
     copy_ms: float  # offload's copies, in full
     exposed_copy_ms: float
     device: str
+    collective_ms: float = 0.0  # FSDP2's all-gathers and reduce-scatters, in full
+    exposed_collective_ms: float = 0.0
 
     def tokens_per_s(self, tokens: int) -> float:
         return tokens / (self.ms / 1e3) if self.ms > 0 else 0.0
@@ -311,6 +353,7 @@ class Speed:
     free_s: float  # a view's or allocation's cost (host only)
     sac_s: float  # one SAC decision (host)
     host_link: float = 0.0  # bytes/s host↔device (offload's copies)
+    gpu_link: float = 0.0  # bytes/s one rank sends to its peers (collectives); 0: not costed
     overlapped: bool = False  # GPU: the host runs ahead of the kernels
     assumptions: tuple[str, ...] = ()
 
@@ -335,8 +378,20 @@ class Speed:
         copy = work.host_copy_bytes / self.host_link if work.host_copy_bytes and self.host_link else 0.0
         compute = max(mm + mem, host) if self.overlapped else mm + mem + host
         exposed = max(0.0, copy - compute) if work.prefetch else copy
+        c = work.collectives
+        comm = c.sent_bytes / self.gpu_link if c.sent_bytes and self.gpu_link else 0.0
+        first_last = c.exposed_bytes / self.gpu_link if comm else 0.0
+        exposed_comm = first_last + max(0.0, comm - first_last - compute)
         return StepTime(
-            (compute + exposed) * 1e3, mm * 1e3, mem * 1e3, host * 1e3, copy * 1e3, exposed * 1e3, self.name
+            (compute + exposed + exposed_comm) * 1e3,
+            mm * 1e3,
+            mem * 1e3,
+            host * 1e3,
+            copy * 1e3,
+            exposed * 1e3,
+            self.name,
+            comm * 1e3,
+            exposed_comm * 1e3,
         )
 
     def describe(self) -> str:
@@ -349,6 +404,8 @@ GPU_MATMUL_EFFICIENCY = 0.6
 GPU_BANDWIDTH_EFFICIENCY = 0.8
 GPU_LAUNCH_S = 5e-6  # host-side cost of one eager op (Python, dispatcher, launch)
 GPU_SAC_S = 20e-6  # one SAC decision: torch's Python dispatch mode, per op
+# What NCCL's ring collectives reach of the link's per-direction datasheet rate (its "bus bandwidth")
+GPU_LINK_EFFICIENCY = 0.8
 GPU_COPY_OVERLAP = "offload copies on their own stream, hidden behind compute up to its length (prefetch on)"
 
 
@@ -371,6 +428,7 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
         free_s=GPU_LAUNCH_S / 4,
         sac_s=GPU_SAC_S,
         host_link=gpu.host_link,
+        gpu_link=gpu.gpu_link * GPU_LINK_EFFICIENCY,
         overlapped=True,
         assumptions=(
             f"matmul at {GPU_MATMUL_EFFICIENCY:.0%} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
@@ -379,7 +437,13 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
             f"host {GPU_LAUNCH_S * 1e6:g} µs per op launched, {GPU_SAC_S * 1e6:g} µs per SAC decision, running ahead"
             " of the kernels",
             GPU_COPY_OVERLAP + (f" at {gpu.host_link / 1e9:g} GB/s" if gpu.host_link else ""),
-            "collectives not costed",
+            (
+                f"FSDP2 collectives at {GPU_LINK_EFFICIENCY:.0%} of {gpu.gpu_link / 1e9:g} GB/s per GPU (one node, "
+                "ring), hidden behind compute up to its length but the first all-gather of forward and backward and "
+                "the last reduce-scatter"
+                if gpu.gpu_link
+                else "collectives not costed (the catalogue entry has no gpu_link)"
+            ),
         ),
     )
 
