@@ -62,6 +62,8 @@ class PredictionCallback(L.Callback):
             M.PREDICTED_ACTIVATION_PEAK_KEY: est.activation_bytes / MIB,
             M.PREDICTED_PEAK_TOTAL_KEY: est.peak_bytes / MIB,
         }
+        if est.reserved_bytes is not None:  # a CUDA run: the caching allocator's reserve, replayed
+            self.predicted[M.PREDICTED_PEAK_RESERVED_KEY] = est.reserved_bytes / MIB
         self._log(trainer, 0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

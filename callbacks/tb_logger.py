@@ -49,7 +49,11 @@ CHARTS: dict[str, dict[str, tuple[str, ...]]] = {
             M.PEAK_TOTAL,
             M.PREDICTED_PEAK_TOTAL,
         ),
-        "CUDA peak allocated / reserved (MiB)": (M.PEAK_ALLOCATED, M.PEAK_RESERVED),
+        "CUDA peak allocated / reserved (MiB), and the reserve predicted": (
+            M.PEAK_ALLOCATED,
+            M.PEAK_RESERVED,
+            M.PREDICTED_PEAK_RESERVED,
+        ),
         "CUDA allocator retries": (M.ALLOC_RETRIES,),
         "pinned host memory in use at most (MiB; policy=offload's copies)": (M.HOST_PINNED_PEAK,),
     },
@@ -76,7 +80,7 @@ def tag_regex(tag: str) -> str:
 def tb_layout(device_type: str | None = None) -> dict[str, dict[str, list[Any]]]:
     """The layout for a run on `device_type` ("cuda", "cpu", ...; None: every chart), in the form
     `SummaryWriter.add_custom_scalars` takes. A chart whose tags the device never logs is left out."""
-    skip = set(M.CUDA_TAGS) if device_type not in (None, "cuda") else set()
+    skip = set(M.CUDA_ONLY_TAGS) if device_type not in (None, "cuda") else set()
     layout: dict[str, dict[str, list[Any]]] = {}
     for category, charts in CHARTS.items():
         kept = {

@@ -463,3 +463,20 @@ def test_the_advice_plans_auto_for_the_gpu_named(monkeypatch: pytest.MonkeyPatch
     assert main(args) == 0
     assert asked and all(name is not None and name.startswith("L4-24GB") for name in asked), asked
     assert "policy=auto" in capsys.readouterr().out
+
+
+def test_a_cuda_estimate_replays_the_caching_allocator() -> None:
+    """--device cuda adds what CUDA's caching allocator would reserve for the step (≥ the tensors' peak: rounding
+    and cached segments); a CPU estimate has none."""
+    config = compose_config(["model=micro", "seq_len=16", "batch_size=2"])
+    for device in ("cuda", "cpu"):
+        session = open_session(config, device)
+        try:
+            est = measure(session, build_policy(config.policy))
+        finally:
+            session.close()
+        if device == "cuda":
+            assert est.reserved_bytes is not None and est.reserved_bytes >= est.peak_bytes
+            assert est.reserved_bytes % (2 * 2**20) == 0  # whole segments
+        else:
+            assert est.reserved_bytes is None

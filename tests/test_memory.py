@@ -325,3 +325,78 @@ def test_adopted_storages_count_until_freed_and_marks_bound_the_replay() -> None
     assert t.peak_bytes_excluding([]) == 8192 + 16384  # adopted storages are never activations
     assert t.peak_bytes_excluding([], until=end_of_backward) == 8192
     del act
+
+
+# ---- CUDA's caching allocator, replayed ---------------------------------------------------------------------------
+
+
+def test_the_allocator_model_rounds_pools_and_segments_as_torchs() -> None:
+    from trainer.measure.allocator import CachingAllocator
+
+    a = CachingAllocator()
+    small = a.malloc(100)  # rounded to 512 bytes, in a fresh 2 MiB small-pool segment
+    assert (a.allocated, a.reserved) == (512, 2 * MIB)
+    a.malloc(5 * MIB)  # a large request under 10 MiB: a 20 MiB segment
+    assert a.reserved == 22 * MIB
+    big = a.malloc(30 * 10**6)  # ≥ 10 MiB: its own segment, rounded up to 2 MiB (28.6 → 30 MiB)
+    assert a.reserved == 52 * MIB and a.segments == 3
+    a.free(big)
+    a.malloc(10 * MIB)  # best fit: the freed 30 MiB block, split (the 20 MiB rest stays cached)
+    assert a.reserved == 52 * MIB
+    a.free(small)
+    a.malloc(1000)  # the small pool's own free block, never a large one
+    assert a.reserved == 52 * MIB
+
+
+def test_the_allocator_model_fragments_and_merges() -> None:
+    from trainer.measure.allocator import CachingAllocator
+
+    a = CachingAllocator()
+    x = a.malloc(100 * MIB)
+    a.malloc(100 * MIB)
+    a.free(x)
+    a.malloc(150 * MIB)  # neither freed 100 MiB block holds it: a third segment, reserved above what is live
+    assert (a.allocated, a.reserved) == (250 * MIB, 350 * MIB)
+    b = CachingAllocator()
+    b.free(b.malloc(100 * MIB))
+    q, r = b.malloc(30 * MIB), b.malloc(30 * MIB)  # both cut from that one segment: 30 | 30 | 40 free
+    assert b.segments == 1
+    b.free(q)
+    b.free(r)  # merged with each other and the free rest: one 100 MiB block again
+    b.malloc(90 * MIB)
+    assert b.reserved == 100 * MIB and b.segments == 1
+
+
+def test_a_replayed_step_reuses_last_steps_blocks() -> None:
+    """Replayed twice, a step whose gradients replace last step's reserves what one step needs, not two."""
+    from trainer.measure.allocator import replay
+
+    params, grad_old = 0, 1
+    events = [(params, 100 * MIB), (grad_old, 100 * MIB)]  # adopted: the state before the step
+    events += [(grad_old, -100 * MIB)]  # zero_grad
+    events += [(2, 300 * MIB), (3, 100 * MIB), (2, -300 * MIB)]  # activations, the new gradient, activations freed
+    figures = replay(events, adopted={params, grad_old})
+    assert figures.peak_allocated == 500 * MIB  # parameters + activations + the new gradient
+    assert figures.peak_reserved == 500 * MIB  # the old gradient's block held the new one: no fourth segment
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the model with torch's allocator")
+def test_the_allocator_model_reserves_what_torchs_reserves() -> None:
+    """The same allocation sequence on this GPU and in the model: the same reserved and allocated peaks."""
+    from trainer.measure.allocator import CachingAllocator
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base_reserved, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    assert base_alloc == 0 or base_reserved >= base_alloc
+    sizes = [100, 5 * MIB, 30 * 10**6, 100 * MIB, 7 * MIB, 3 * MIB, 300 * MIB, 1000, 2 * MIB + 1]
+    model, live, mine = CachingAllocator(), {}, {}
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved()
+    for i, n in enumerate(sizes * 3):
+        live[i] = torch.empty(n, dtype=torch.uint8, device="cuda")
+        mine[i] = model.malloc(n)
+        if i % 3 == 2:  # free every third one's predecessor
+            del live[i - 1]
+            model.free(mine.pop(i - 1))
+    assert torch.cuda.max_memory_reserved() - start == model.peak_reserved

@@ -60,7 +60,7 @@ def test_cuda_layout_charts_every_tag_of_metrics_once() -> None:
 
 def test_cpu_layout_has_no_cuda_charts_and_a_peak_total_chart() -> None:
     layout = tb_layout("cpu")
-    assert charted(layout) == {t: 0 if t in M.CUDA_TAGS else 1 for t in STEP_TAGS}
+    assert charted(layout) == {t: 0 if t in M.CUDA_ONLY_TAGS else 1 for t in STEP_TAGS}
     memory = layout["memory"]
     assert len(memory) == 2 and not any("CUDA" in title for title in memory)
     # each measured peak on one chart with the run's own prediction of it

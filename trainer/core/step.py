@@ -57,6 +57,9 @@ class StepFigures:
     head_peak: int = 0  # the most bytes the head (its forward and backward) held at once
     peak_phase: str = ""  # the label of the op that set the activation peak
     total_phase: str = ""  # the label of the op that set the step's peak
+    # the tracker's (record, signed bytes) events and the records that predate the step, for an allocator replay
+    events: list[tuple[int, int]] = field(default_factory=list)
+    adopted: set[int] = field(default_factory=set)
 
 
 class StepMeter:
@@ -146,6 +149,7 @@ class StepMeter:
             h.remove()
         self._hooks.clear()
         figures = StepFigures(activation_bytes=int(self._activation or 0), total_bytes=tracker.peak_bytes)
+        figures.events, figures.adopted = tracker._window.events, set(tracker._window.adopted)
         if self.regions:
             window = tracker._window
             grads = tracker.records_of(p.grad for p in module.parameters())

@@ -139,6 +139,14 @@ def _memory(est: Estimate) -> list[str]:
         ("total: the step's peak", est.peak_bytes, "(memory/peak_total_mib), of which:"),
     ]
     rows += [(f"  {label}", v, "") for label, v in group_labels(est.at_step_peak).items()]
+    if est.reserved_bytes is not None:
+        rows.append(
+            (
+                "reserved by CUDA's caching allocator",
+                est.reserved_bytes,
+                "(memory/peak_reserved_mib: this step replayed through its rules, one stream)",
+            )
+        )
     if est.host_pinned_bytes:
         rows.append(
             (

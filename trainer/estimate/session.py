@@ -26,6 +26,7 @@ from trainer.core import step as step_
 from trainer.core.module import explain_group_stand_ins
 from trainer.core.schema import Config, ConfigError, model_vocab
 from trainer.loss import LossConfig
+from trainer.measure.allocator import replay
 from trainer.measure.steptime import Collectives, OpTrace, Speed, StepTime, Work
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.policies.offload import HostLedger, offload_to_ledger
@@ -132,6 +133,9 @@ class Estimate:
     host_pinned_bytes: int = 0  # offload's copies in pinned host memory at most (per rank; --device cuda)
     work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.measure.steptime)
     tokens: int = 0  # per optimizer step, per rank
+    # --device cuda: the caching allocator's reserved peak for this step (trainer/measure/allocator.py), what
+    # torch.cuda.max_memory_reserved() reports and trainers print; None for a CPU estimate
+    reserved_bytes: int | None = None
 
     def step_time(self, speed: Speed) -> StepTime:
         """The step's predicted time on `speed`'s device (trainer.measure.steptime)."""
@@ -513,6 +517,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         host_pinned_bytes=session.host.peak,
         work=work,
         tokens=accum * session.config.batch_size * session.config.seq_len,
+        reserved_bytes=replay(figures.events, figures.adopted).peak_reserved if session.device == "cuda" else None,
     )
 
 

@@ -35,6 +35,8 @@ PLAN_TAGS = (AUTO_BUDGET, AUTO_PREDICTED_PEAK, AUTO_PLAN_TEXT, AUTO_REPLAN_TEXT)
 # fit start, logged at the first and last step so each charts as a line beside the measured one.
 PREDICTED_ACTIVATION_PEAK = "memory/predicted_activation_peak_mib"
 PREDICTED_PEAK_TOTAL = "memory/predicted_peak_total_mib"
+PREDICTED_PEAK_RESERVED = "memory/predicted_peak_reserved_mib"  # CUDA: the caching allocator's, replayed
+CUDA_ONLY_TAGS = (*CUDA_TAGS, PREDICTED_PEAK_RESERVED)  # what a run elsewhere never logs
 
 # summary.json keys of the run's figures (and, as hparam_tag(key), the HParams tab's metric columns)
 STEPS = "steps"
@@ -53,10 +55,12 @@ TIME_INCLUDES_TRACKED = "time_includes_tracked"  # every step after warm-up was 
 AUTO = "auto"  # policy=auto's plan, predicted and measured figures (callbacks/planner.py)
 PREDICTED_ACTIVATION_PEAK_KEY = "predicted_activation_peak_mib"
 PREDICTED_PEAK_TOTAL_KEY = "predicted_peak_total_mib"
+PREDICTED_PEAK_RESERVED_KEY = "predicted_peak_reserved_mib"
 PREDICTION_NOTE = "prediction_note"  # why a run has no prediction (the estimator's one line)
 PREDICTED_TAGS = {
     PREDICTED_ACTIVATION_PEAK_KEY: PREDICTED_ACTIVATION_PEAK,
     PREDICTED_PEAK_TOTAL_KEY: PREDICTED_PEAK_TOTAL,
+    PREDICTED_PEAK_RESERVED_KEY: PREDICTED_PEAK_RESERVED,
 }
 ACTIVATION_PEAK_ERROR = "activation_peak_error"
 PEAK_TOTAL_ERROR = "peak_total_error"
@@ -65,7 +69,7 @@ PREDICTIONS = (
     (PREDICTED_ACTIVATION_PEAK_KEY, ACTIVATION_PEAK_KEY, ACTIVATION_PEAK_ERROR),
     (PREDICTED_PEAK_TOTAL_KEY, PEAK_TOTAL_KEY, PEAK_TOTAL_ERROR),
     (PREDICTED_PEAK_TOTAL_KEY, PEAK_ALLOCATED_KEY, "peak_allocated_error"),  # CUDA: beside the allocator's peaks
-    (PREDICTED_PEAK_TOTAL_KEY, PEAK_RESERVED_KEY, "peak_reserved_error"),
+    (PREDICTED_PEAK_RESERVED_KEY, PEAK_RESERVED_KEY, "peak_reserved_error"),  # the allocator's, replayed
 )
 SUMMARY_FIGURES = (
     STEPS,
