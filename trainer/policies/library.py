@@ -182,6 +182,10 @@ class SavedOutputGuard(TorchDispatchMode):
 
 def _storage(t: torch.Tensor) -> int:
     """Where a tensor's bytes live; 0 where it has none to compare (a fake tensor: the estimator trusts the run)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):  # its data pointer is meaningless (and torch warns on reading it)
+        return 0
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
