@@ -480,3 +480,20 @@ def test_a_cuda_estimate_replays_the_caching_allocator() -> None:
             assert est.reserved_bytes % (2 * 2**20) == 0  # whole segments
         else:
             assert est.reserved_bytes is None
+
+
+def test_a_compiled_configuration_is_said_to_be_estimated_eager() -> None:
+    """The estimator has no compile path: under trainer.compile=true it says its figures are eager's."""
+    from trainer.estimate.session import COMPILE_NOTE
+
+    config = compose_config(["model=micro", "seq_len=16", "batch_size=2", "trainer.compile=true"])
+    session = open_session(config, "cpu")
+    try:
+        assert COMPILE_NOTE in session.notes
+    finally:
+        session.close()
+    plain = open_session(compose_config(["model=micro", "seq_len=16", "batch_size=2"]), "cpu")
+    try:
+        assert COMPILE_NOTE not in plain.notes
+    finally:
+        plain.close()

@@ -364,6 +364,8 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
     if refusal:
         raise ConfigError(refusal)
+    if config.trainer.compile:
+        notes.append(COMPILE_NOTE)
     if precision_.fsdp2_param_dtype(chosen, config.trainer) is not None:
         notes.append(
             "precision=bf16-mixed under FSDP2: its MixedPrecisionPolicy (bf16 parameters for compute and all-gathers, "
@@ -415,6 +417,12 @@ def _collectives(session: Session) -> Collectives:
     return Collectives.fsdp2(
         units, total - sum(units), session.world, param.itemsize, reduce.itemsize, session.config.accum
     )
+
+
+COMPILE_NOTE = (
+    "trainer.compile=true: these are the eager step's bytes, ops and times; the estimator has no compile path yet "
+    "(what AOTAutograd's partitioner saves and what inductor fuses differ)"
+)
 
 
 def sharded_world(config: Config) -> int:
