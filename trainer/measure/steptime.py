@@ -45,6 +45,7 @@ from torch.utils import flop_counter as _fc
 
 from trainer.errors import ConfigError
 from trainer.formatting import flops_text
+from trainer.measure.collectives import Collectives
 from trainer.measure.flops import FlopTally, count_sac_decision, sac_decisions
 from trainer.measure.gpus import Gpu, find_gpu, match_device
 
@@ -193,42 +194,6 @@ def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
         return OpKey("free", "", 0, 0)
     kind = "math" if packet.__name__ in _MATH_OPS else "random" if packet.__name__ in _RANDOM_OPS else "memory"
     return OpKey(kind, "", 0, moved_bytes(func, args, kwargs, out))
-
-
-@dataclass(frozen=True)
-class Collectives:
-    """FSDP2's traffic in one optimizer step, as the bytes one rank sends over the GPU link (a ring all-gather or
-    reduce-scatter of N bytes over W ranks sends N·(W−1)/W from each). `exposed`: what no compute can hide, the
-    first all-gather of each forward and backward and the last reduce-scatter; the rest runs on FSDP2's own streams
-    while the neighbouring layer computes (it prefetches the next all-gather), hidden up to the compute's length."""
-
-    sent_bytes: int = 0
-    exposed_bytes: int = 0
-    world: int = 1
-    described: str = ""
-
-    @classmethod
-    def fsdp2(
-        cls, units: list[int], root: int, world: int, param_bytes: int, reduce_bytes: int, micro_batches: int
-    ) -> Collectives:
-        """`units`: each sharded layer's parameter count (in forward order), `root`: the root's own (embedding, final
-        norm, head), each all-gathered in `param_bytes` per value and its gradient reduce-scattered in
-        `reduce_bytes`. Per micro-batch: every unit all-gathered for the forward, the layers again for the backward
-        (they reshard after forward, the root does not), every unit's gradient reduce-scattered (FSDP2 reduces at
-        each backward unless told not to sync)."""
-        if world <= 1 or not units:
-            return cls()
-        share = (world - 1) / world
-        forward = (sum(units) + root) * param_bytes
-        backward = sum(units) * param_bytes
-        reduce = (sum(units) + root) * reduce_bytes
-        exposed = (root + units[0]) * param_bytes + units[-1] * param_bytes + (root + units[0]) * reduce_bytes
-        sent = int((forward + backward + reduce) * share) * micro_batches
-        what = (
-            f"FSDP2 over {world} ranks: per micro-batch {forward / 2**30:.2f} GiB all-gathered for the forward, "
-            f"{backward / 2**30:.2f} GiB for the backward, {reduce / 2**30:.2f} GiB of gradients reduce-scattered"
-        )
-        return cls(sent, int(exposed * share) * micro_batches, world, what)
 
 
 @dataclass

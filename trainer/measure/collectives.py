@@ -1,0 +1,42 @@
+"""FSDP2's collectives in one optimizer step, as bytes on the GPU link: what the step-time model
+(trainer/measure/steptime.py) prices on a catalogue GPU's `gpu_link`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """FSDP2's traffic in one optimizer step, as the bytes one rank sends over the GPU link (a ring all-gather or
+    reduce-scatter of N bytes over W ranks sends N·(W−1)/W from each). `exposed`: what no compute can hide, the
+    first all-gather of each forward and backward and the last reduce-scatter; the rest runs on FSDP2's own streams
+    while the neighbouring layer computes (it prefetches the next all-gather), hidden up to the compute's length."""
+
+    sent_bytes: int = 0
+    exposed_bytes: int = 0
+    world: int = 1
+    described: str = ""
+
+    @classmethod
+    def fsdp2(
+        cls, units: list[int], root: int, world: int, param_bytes: int, reduce_bytes: int, micro_batches: int
+    ) -> Collectives:
+        """`units`: each sharded layer's parameter count (in forward order), `root`: the root's own (embedding, final
+        norm, head), each all-gathered in `param_bytes` per value and its gradient reduce-scattered in
+        `reduce_bytes`. Per micro-batch: every unit all-gathered for the forward, the layers again for the backward
+        (they reshard after forward, the root does not), every unit's gradient reduce-scattered (FSDP2 reduces at
+        each backward unless told not to sync)."""
+        if world <= 1 or not units:
+            return cls()
+        share = (world - 1) / world
+        forward = (sum(units) + root) * param_bytes
+        backward = sum(units) * param_bytes
+        reduce = (sum(units) + root) * reduce_bytes
+        exposed = (root + units[0]) * param_bytes + units[-1] * param_bytes + (root + units[0]) * reduce_bytes
+        sent = int((forward + backward + reduce) * share) * micro_batches
+        what = (
+            f"FSDP2 over {world} ranks: per micro-batch {forward / 2**30:.2f} GiB all-gathered for the forward, "
+            f"{backward / 2**30:.2f} GiB for the backward, {reduce / 2**30:.2f} GiB of gradients reduce-scattered"
+        )
+        return cls(sent, int(exposed * share) * micro_batches, world, what)
