@@ -11,6 +11,10 @@ Logged to TensorBoard at each optimizer step (`global_step`; tag names in traine
                                  transients: the allocator's peak on CUDA, the tracker's on tracked CPU steps
   memory/peak_allocated_mib, memory/peak_reserved_mib, memory/alloc_retries   (CUDA; peaks reset every step)
 
+Under trainer.compile=true the tracked steps count what the allocator hands out (profiler memory events) instead
+of live tensors: the tracker's dispatch mode would make dynamo run those steps eagerly. summary.json says which
+(`memory_counted_by`).
+
 The memory figures are taken by a `trainer.core.step.StepMeter`, the same object the estimator and the benchmarks use
 over a bare step, so "estimate = run" compares like with like.
 
@@ -51,6 +55,7 @@ class MeasureCallback(L.Callback):
         self._activation_bytes: int | None = None
         self._total_bytes: int | None = None
         self._on_cuda = False
+        self._compiled = False
 
     # --- which steps are tracked --------------------------------------------------------------------------------
     @property
@@ -74,6 +79,7 @@ class MeasureCallback(L.Callback):
     # --- hooks --------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._on_cuda = pl_module.device.type == "cuda"
+        self._compiled = bool(getattr(pl_module, "compile", False))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -87,7 +93,7 @@ class MeasureCallback(L.Callback):
             self._activation_bytes = self._total_bytes = None
             self._window_closed = False
             if self._tracks(trainer.global_step):
-                self._meter = StepMeter(device_type=pl_module.device.type)
+                self._meter = StepMeter(device_type=pl_module.device.type, compiled=self._compiled)
                 # What the step holds before it starts (weights, optimizer state, last step's gradients until
                 # zero_grad frees them), so the tracker's peak is the whole step's, not only what it adds.
                 self._meter.begin(pl_module, trainer.optimizers)
@@ -143,7 +149,7 @@ class MeasureCallback(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self._meter is not None:  # leave no dispatch mode pushed behind a failed step
             meter, self._meter = self._meter, None
-            meter.tracker.__exit__(None, None, None)
+            meter.abort()
 
     # --- helpers ------------------------------------------------------------------------------------------------
     def _close_activation_window(self, pl_module: L.LightningModule) -> None:
@@ -179,4 +185,5 @@ class MeasureCallback(L.Callback):
         }
         out[M.TIME_INCLUDES_WARMUP] = bool(self.records) and not after_warmup
         out[M.TIME_INCLUDES_TRACKED] = bool(steady) and not untracked
+        out[M.MEMORY_COUNTED_BY] = M.COUNTED_ALLOCATOR if self._compiled else M.COUNTED_LIVE_TENSORS
         return out

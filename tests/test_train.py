@@ -236,6 +236,9 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("eager", "compiled"))
     assert b["status"] == "completed" and b["plan"] == "[0-1]:full"
     assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], abs=2e-3)  # inductor reorders float math
+    # the compiled run's memory is what its compiled step allocated (the tracker would have run it eagerly), said so
+    assert a["memory_counted_by"] == metrics.COUNTED_LIVE_TENSORS
+    assert b["memory_counted_by"] == metrics.COUNTED_ALLOCATOR and b["activation_peak_mib"] > 0
 
 
 def test_a_run_shorter_than_the_warm_up_still_measures(tmp_path: Path, compose_cfg) -> None:

@@ -293,13 +293,6 @@ class Run:
             data.train_tokens,
             data.val_tokens,
         )
-        if config.trainer.compile and build.train_device(config) == "cpu":
-            # The live-tensor tracker sees dispatched ops; inductor's generated code allocates its buffers without
-            # them, so on CPU the memory figures are not the compiled step's (CUDA's allocator counters are).
-            log.warning(
-                "trainer.compile=true on CPU: memory/activation_peak_mib and peak_total_mib count dispatched ops, "
-                "which compiled code bypasses; they are not the compiled step's bytes (step times are)"
-            )
         ckpt = str(resume_from) if resume_from else None
         try:
             with host_memory_limit(config.trainer.host_memory_limit_mib):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.measure.allocations import AllocatorRecorder
 from trainer.measure.memory import LiveTensorTracker
 
 # Labels of what the tracker holds at a moment (StepMeter with regions on): the training state...
@@ -74,10 +75,19 @@ class StepMeter:
 
     `regions=True` labels every storage with what made it (forward hooks on the layers, a tensor hook for the end
     of the head's backward), for the estimator's breakdown; hooks allocate nothing, so the figures are the same.
+
+    `compiled=True` counts what the allocator hands out (trainer.measure.allocations) instead of tracking dispatched
+    ops: under the tracker's dispatch mode dynamo would run a compiled model eagerly. Same figures, same points; no
+    regions (the allocator does not say what a block is for).
     """
 
-    def __init__(self, device_type: str | None, regions: bool = False) -> None:
+    WINDOW_END = "window_end"
+
+    def __init__(self, device_type: str | None, regions: bool = False, compiled: bool = False) -> None:
+        if compiled and (regions or device_type is None):
+            raise ValueError("a compiled step is counted on a real device, without regions")
         self.tracker = LiveTensorTracker(device=device_type)
+        self.recorder = AllocatorRecorder(device_type) if compiled and device_type is not None else None
         self.regions = regions
         self._activation: int | None = None
         self._window_end: int | None = None
@@ -88,6 +98,9 @@ class StepMeter:
     def begin(
         self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], layers: Sequence[nn.Module] = ()
     ) -> None:
+        if self.recorder is not None:
+            self.recorder.start([t for ts in training_state(module, optimizers).values() for t in ts])
+            return
         self.tracker.__enter__()
         for label, tensors in training_state(module, optimizers).items():
             self.tracker.adopt(tensors, label)
@@ -120,6 +133,8 @@ class StepMeter:
 
     def phase(self, label: str) -> None:
         """The step moves on to `label` (bare_step: head's backward, later micro-batches, optimizer)."""
+        if self.recorder is not None:
+            return
         if self._forward_end is None and label == HEAD:
             self._forward_end = self.tracker.mark()  # the first forward is done: what each layer keeps
         if self.regions:
@@ -129,12 +144,18 @@ class StepMeter:
         if self._activation is not None:
             return
         self._grads = [p.grad for p in module.parameters()]
+        if self.recorder is not None:
+            self.recorder.mark(self.WINDOW_END, self._grads)
+            self._activation = 0  # taken from the recording at the end
+            return
         self._window_end = self.tracker.mark()
         self._activation = self.tracker.peak_bytes_excluding(self._grads, until=self._window_end)
 
     def abort(self) -> None:
         """A step that failed midway: leave the tracker's mode and the hooks, so nothing stays installed (the
         dispatch-mode stack is LIFO: a mode left behind would be popped in place of the one above it)."""
+        if self.recorder is not None:
+            self.recorder.abort()
         if self.tracker._active:
             self.tracker.__exit__(None, None, None)
         for h in self._hooks:
@@ -143,6 +164,12 @@ class StepMeter:
 
     def end(self, module: nn.Module) -> StepFigures:
         self.close_window(module)
+        if self.recorder is not None:
+            rec = self.recorder.stop()
+            pointers = (g.untyped_storage().data_ptr() for g in self._grads if g is not None)
+            grads = rec.records_at(self.WINDOW_END, pointers)
+            activation = rec.peak(excluding=grads, until=self.WINDOW_END, adopted=False)
+            return StepFigures(activation, rec.peak(), events=rec.events, adopted=rec.adopted)
         tracker = self.tracker
         tracker.__exit__(None, None, None)
         for h in self._hooks:
