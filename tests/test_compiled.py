@@ -106,3 +106,17 @@ def test_on_an_eager_step_the_allocator_count_is_the_tracker_count(policy: str, 
         unseen = tracked[f"counted_{figure}"] - tracked[figure] - regions * rng_state
         assert 0 <= unseen <= 64, (figure, unseen)
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    [{"name": "torchtitan_sac"}, {"name": "op_sac", "save_ops": ["aten.mm", "aten.addmm", "aten.bmm"]}],
+    ids=["torchtitan_sac", "op_sac-own-list"],
+)
+def test_the_guarded_selective_policies_compile(policy: dict[str, object]) -> None:
+    """The per-op policies whose contexts carry the in-place guard compile: dynamo calls a checkpoint's context_fn
+    unbound and accepts only torch's two SAC modes from it (the guard has nothing to guard in a functional trace)."""
+    from trainer.policies import build_policy
+
+    figures = _measured([*MODELS["gpt"], *SHAPES, "trainer.compile=true"], build_policy(policy), None)  # type: ignore[arg-type]
+    assert figures["activation"] > 0

@@ -149,7 +149,10 @@ class SavedOutputGuard(TorchDispatchMode):
     @classmethod
     def contexts(cls, policy: str, decide: Callable[..., CheckpointPolicy]) -> tuple[Any, Any]:
         """torch's selective-checkpoint contexts for `decide`, the forward's with a fresh guard inside: a
-        context_fn's answer for one checkpoint call."""
+        context_fn's answer for one checkpoint call. Under torch.compile the region is traced functionally (no write
+        into a saved output survives) and dynamo accepts only the two modes themselves: no guard there."""
+        if torch.compiler.is_compiling():
+            return create_selective_checkpoint_contexts(decide)
         guard = cls(policy)
 
         def decided(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -286,23 +289,36 @@ class TorchtitanSAC(Policy):
         mm = torch.ops.aten.mm.default
         return (mm,) if self.cfg.version == "0.2" else (mm, torch.ops.aten.linear.default)
 
-    def context_fn(self) -> tuple[Any, Any]:
-        count = {"forward": 0, "recompute": 0}
-        save, counted = self.save, self.counted
+    @functools.cached_property
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+        """A plain function, not a bound method: dynamo calls a checkpoint's context_fn unbound when it traces it
+        (trainer.compile=true), so a method would lose its `self`."""
+        save, counted, name = self.save, self.counted, self.name
 
-        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func in counted:
-                count[mode] += 1
-            if func in save and not (func in counted and count[mode] % 2 == 0):
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        def contexts() -> tuple[Any, Any]:
+            return SavedOutputGuard.contexts(name, _alternate_matmuls(save, counted))
 
-        return SavedOutputGuard.contexts(self.name, decide)
+        return contexts
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x, context_fn=self.context_fn)
+
+
+def _alternate_matmuls(save: frozenset[Any], counted: tuple[Any, ...]) -> Callable[..., CheckpointPolicy]:
+    """torchtitan's decision for one checkpoint call: save the listed ops except every second counted matmul, counted
+    apart in the forward and in the recompute."""
+    count = {"forward": 0, "recompute": 0}
+
+    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in counted:
+            count[mode] += 1
+        if func in save and not (func in counted and count[mode] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
 
 
 @register
