@@ -126,6 +126,9 @@ def registered_policies(config: Config, only: Sequence[str] | None = None) -> tu
     skipped: dict[str, str] = {}
     with quiet_policy_notices():
         for name in names:
+            if POLICIES[name].requires_compile and not config.trainer.compile:
+                skipped[name] = "needs trainer.compile=true (torch's compile-time partitioner; bench.planner runs it)"
+                continue
             try:
                 estimate.default_policy(name).check(n_layer, attention)
             except PolicyError as e:

@@ -49,6 +49,10 @@ def micro_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"out": tmp / "out", "page": page, "printed": stdout.getvalue(), "data": data}
 
 
+# auto plans at fit start (bench.planner plans it); memory_budget is decided as the model compiles (bench.compiled)
+EAGER_ROWS = [n for n in POLICIES if n != "auto" and not POLICIES[n].requires_compile]
+
+
 def _rows(data: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in data["rows"] if r["kind"] == kind}
 
@@ -57,8 +61,9 @@ def test_every_registered_policy_is_a_row_measured_as_the_estimator_predicts(mic
     data = micro_run["data"]
     rows = _rows(data, "policy")
     samples = data["samples"]["micro model=micro seq_len=32"]["step_s"]
-    assert list(rows) == [n for n in POLICIES if n != "auto"]  # the registry's order, every policy
-    assert list(data["sections"][0]["skipped"]) == ["auto"]
+    assert list(rows) == EAGER_ROWS  # the registry's order, every policy an eager step runs
+    assert list(data["sections"][0]["skipped"]) == ["memory_budget", "auto"]
+    assert "trainer.compile=true" in data["sections"][0]["skipped"]["memory_budget"]
     assert "needs a budget" in data["sections"][0]["skipped"]["auto"]
     for name, r in rows.items():
         # the estimator on fake tensors and StepMeter over the real step: the same figures
@@ -172,7 +177,7 @@ def test_several_models_in_one_run(tmp_path: Path) -> None:
 def test_policy_table_agrees_with_the_benchmark(micro_run: dict[str, Any], tmp_path: Path) -> None:
     out = policy_table.run(["model=micro", "seq_len=32"])
     measured = _rows(micro_run["data"], "policy")
-    assert [r["name"] for r in out["rows"]] == list(measured) and list(out["skipped"]) == ["auto"]
+    assert [r["name"] for r in out["rows"]] == list(measured) and list(out["skipped"]) == ["memory_budget", "auto"]
     for r in out["rows"]:  # the same step on the same config: the same bytes and FLOPs
         assert r["activation_bytes"] / MIB == measured[r["name"]]["activation_mib"]
         assert r["flops"] == measured[r["name"]]["flops"]
@@ -327,8 +332,8 @@ def test_step_time_table_is_the_estimators_figures(tmp_path: Path) -> None:
 
     overrides = ["model=micro", "seq_len=32"]
     out = step_time_table.run(overrides, ["H100-80GB", "L4-24GB"], workers=1)
-    assert "auto" in out["left_out"] and "auto" not in out["estimates"]
-    assert list(out["estimates"]) == [n for n in POLICIES if n != "auto"]
+    assert "auto" in out["left_out"] and "auto" not in out["estimates"] and "memory_budget" in out["left_out"]
+    assert list(out["estimates"]) == EAGER_ROWS
     for gpu in ("H100-80GB", "L4-24GB"):
         path = tmp_path / f"{gpu}.json"
         with contextlib.redirect_stdout(io.StringIO()):
@@ -379,3 +384,20 @@ def test_the_published_fsdp_row_reserves_what_torchtitan_published() -> None:
     assert 0.85 * published_bytes <= row.reserved_bytes <= published_bytes, row
     assert row.allocated_bytes < row.reserved_bytes
     assert row.exposed_collective_ms > 0
+
+
+@pytest.mark.slow
+def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
+    """bench.compiled on micro: eager and compiled `none` side by side (their activation peaks differ: the compiled
+    one is the allocator's count of what inductor's code keeps), and memory_budget at 1 and 0 (0 recomputes what 1
+    saves), every row timed; the table renders with a ratio per figure."""
+    from bench import compiled
+
+    out = compiled.run("micro", ["seq_len=32", "batch_size=2"], reps=2, budgets=[1.0, 0.0], policies=["none"])
+    rows = {r.label: r for r in out["rows"]}
+    assert list(rows) == ["none eager", "none compiled", "memory_budget 1", "memory_budget 0"]
+    assert rows["none compiled"].activation != rows["none eager"].activation
+    assert rows["memory_budget 0"].activation < rows["memory_budget 1"].activation
+    assert all(len(r.times) == 2 for r in rows.values())
+    text = compiled.table(out)
+    assert "| `none` |" in text and "| 0 |" in text

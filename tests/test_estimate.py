@@ -71,7 +71,8 @@ RUN = [
     "measure.warmup_steps=1",
     "measure.activation_every_n_steps=1",
 ]
-POLICY_NAMES = [p for p in POLICIES if p != "auto"]  # auto plans at fit start: tests/test_planner.py
+# auto plans at fit start (tests/test_planner.py); a compile-time policy is not estimated (tests/test_compiled.py)
+POLICY_NAMES = [p for p in POLICIES if p != "auto" and not POLICIES[p].not_estimated]
 
 
 def assert_estimate_equals_run(est: Any, summary: dict[str, Any]) -> None:
@@ -497,3 +498,15 @@ def test_a_compiled_configuration_is_said_to_be_estimated_eager() -> None:
         assert COMPILE_NOTE not in plain.notes
     finally:
         plain.close()
+
+
+def test_a_compile_time_policy_is_not_estimated_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """memory_budget is decided by torch's partitioner as the model compiles: the table says so in its row, and
+    asked for it, the estimator refuses in one line (no eager stand-in)."""
+    config = compose_config(["model=micro", "seq_len=16", "batch_size=2"])
+    table = estimate_all(config, only=["none", "memory_budget"])
+    assert isinstance(table["none"], Estimate) and "no compile path" in table["memory_budget"]
+    overrides = ["model=micro", "seq_len=16", "batch_size=2", "model.dropout=0", "trainer.compile=true"]
+    assert main([*overrides, "policy=memory_budget"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no compile path" in err[0]

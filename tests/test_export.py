@@ -490,3 +490,12 @@ def test_cli_refusal_as_a_user_sees_it(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: --to lightning: policy=op_sac ([0-5]:op_sac) cannot be expressed: ")
     assert "--to hf, --to megatron or --to torchtitan can" in r.stderr and not (tmp_path / "a.json").exists()
+
+
+def test_a_compile_time_policy_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """memory_budget's cut is torch's partitioner's: no plan of ours to map, so the export says so (and names the
+    peer) rather than export its blocks as `none`."""
+    overrides = ["model=micro", "seq_len=32", "policy=memory_budget", "trainer.compile=true", "model.dropout=0"]
+    assert main([*overrides, "--to", "torchtitan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "memory-budget" in err[0]

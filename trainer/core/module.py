@@ -17,9 +17,10 @@ from torch import nn
 from models import build_model
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.core.schema import ConfigError, ModelConfig, OptimConfig
+from trainer.errors import PolicyError
 from trainer.loss import LossConfig, head_loss
 from trainer.measure import metrics as M
-from trainer.policies import Policy, apply_policy, build_policy
+from trainer.policies import Policy, apply_policy, build_policy, draws_dropout
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -115,6 +116,9 @@ class DecoderModule(L.LightningModule):
             },
             logger=False,
         )
+        refusal = self.policy.refusal(compile, draws_dropout(self.model))
+        if refusal is not None:
+            raise PolicyError(refusal)
         apply_policy(self.model, self.policy)
         self._val_loss_sum = torch.zeros(())
         self._val_batches = 0
@@ -141,7 +145,7 @@ class DecoderModule(L.LightningModule):
             explain_group_stand_ins(self.model)
         # After the policy (so compile sees the checkpoint regions) and once the model is on its device.
         if self.compile and not self._compiled:
-            self.model.compile()
+            self.model.compile(backend=self.policy.compile_backend())
             self._compiled = True
 
     def loss_of(self, batch: tuple[torch.Tensor, torch.Tensor], loss: LossConfig | None = None) -> torch.Tensor:

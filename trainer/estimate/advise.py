@@ -163,8 +163,8 @@ def _world(
 ) -> list[Advice]:
     """The smallest FSDP2 world size at which one rank of the configured policy and head fits the budget."""
     name = est.policy
-    if POLICIES[name].planned_first:
-        return []  # auto plans for its own budget on one device
+    if POLICIES[name].planned_first or POLICIES[name].not_estimated:
+        return []  # auto plans for its own budget on one device; a compile-time policy is not estimated
     table = fit_table(
         config,
         device,

@@ -477,7 +477,11 @@ def _extras(
     fit = None
     if args.fit:
         assert reserve is not None
-        names = [n for n, e in table.items() if isinstance(e, Estimate) or not POLICIES[n].planned_first]
+        names = [
+            n
+            for n, e in table.items()
+            if isinstance(e, Estimate) or not (POLICIES[n].planned_first or POLICIES[n].not_estimated)
+        ]
         fit = fit_table(
             session.config,
             session.device,

@@ -25,6 +25,7 @@ from trainer import precision as precision_
 from trainer.core import step as step_
 from trainer.core.module import explain_group_stand_ins
 from trainer.core.schema import Config, ConfigError, model_vocab
+from trainer.errors import PolicyError
 from trainer.loss import LossConfig
 from trainer.measure.allocator import replay
 from trainer.measure.steptime import Collectives, OpTrace, Speed, StepTime, Work
@@ -465,6 +466,8 @@ def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def measure(session: Session, policy: Policy, loss: LossConfig | None = None) -> Estimate:
     """`policy` (and `loss`, else the configured head) on the session's module: one step, its figures."""
+    if policy.not_estimated:
+        raise PolicyError(f"policy {policy.name}: {policy.not_estimated}")
     module = session.module
     configured_loss = module.loss_config
     if loss is not None:

@@ -25,7 +25,7 @@ from trainer.export.fidelity import (
 )
 from trainer.export.spec import TARGETS, ExportInput, ExportRefused, Target, settings_line, target
 from trainer.formatting import MIB, flops_text, markdown_table
-from trainer.policies import build_policy, resolve_plan
+from trainer.policies import PolicyError, build_policy, resolve_plan
 
 
 @dataclass
@@ -53,6 +53,11 @@ def build_context(config: Config, device: str) -> tuple[ExportInput, Session, st
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
     the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
     policy = build_policy(config.policy)
+    if policy.not_estimated:  # its cut is the compiler's, so there is no plan of ours to map or to measure
+        raise PolicyError(
+            f"policy {policy.name}: not exported: {policy.not_estimated} (torchtitan's peer is "
+            "activation-checkpoint:memory-budget with activation_checkpoint.memory_budget, under compile)"
+        )
     with quiet_policy_notices():
         if config.model.family != "hf" or policy.planned_first:  # refused before any work (policy.k=9, no budget)
             policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)

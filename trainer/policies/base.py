@@ -129,6 +129,10 @@ class Policy:
     # table says `unplanned` for it.
     planned_first: ClassVar[bool] = False
     unplanned: ClassVar[str] = ""
+    # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
+    # and the estimator, which has no compile path, says this instead of an estimate.
+    requires_compile: ClassVar[bool] = False
+    not_estimated: ClassVar[str] = ""
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
@@ -143,6 +147,16 @@ class Policy:
 
     def check(self, n_layer: int, attention: str) -> None:
         """Refuse parameters that cannot fit this model, before any work starts (one-line PolicyError)."""
+
+    def refusal(self, compiled: bool, dropout: bool) -> str | None:
+        """Why this policy cannot train this module (compiled or not, drawing dropout or not), or None."""
+        if self.requires_compile and not compiled:
+            return f"policy {self.name} is decided by torch.compile's partitioner: it needs trainer.compile=true"
+        return None
+
+    def compile_backend(self) -> Any:
+        """The torch.compile backend the model compiles with under trainer.compile=true (called once per module)."""
+        return "inductor"
 
     def choose(self, block_treatments: Iterable[str]) -> None:
         """A planned policy takes the plan its planner chose, one treatment per block."""

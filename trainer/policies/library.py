@@ -423,6 +423,83 @@ class Offload(Policy):
 
 
 @dataclass
+class MemoryBudgetConfig(PolicyConfig):
+    # torch._functorch.config.activation_memory_budget: the share of the default cut's saved bytes the partitioner
+    # may keep (0: recompute everything the graph allows, 1: the default runtime-optimised cut).
+    budget: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"policy.budget={self.budget} must be in [0, 1]")
+
+
+@register
+class MemoryBudget(Policy):
+    """torch's own budget partitioner: AOTAutograd's min-cut under `activation_memory_budget` (torchtitan's
+    `memory-budget` AC mode) decides, over the whole compiled graph, what is saved and what recomputed. The blocks
+    run as under `none`; the policy only sets the budget while the model compiles, so it needs trainer.compile=true.
+
+    Below budget 1 the partitioner may recompute a dropout with fresh randomness (pytorch issues 190717, 190758:
+    silently wrong gradients), and this torch does (tests/test_compiled.py reproduces it), so a model that draws
+    dropout is refused there."""
+
+    name = "memory_budget"
+    Config = MemoryBudgetConfig
+    requires_compile = True
+    not_estimated = (
+        "decided by torch.compile's partitioner, and the estimator has no compile path: measure it with a run "
+        "(trainer.compile=true)"
+    )
+
+    def plan(self, n_layer: int) -> Plan:
+        return Plan.uniform(n_layer, "none")
+
+    def refusal(self, compiled: bool, dropout: bool) -> str | None:
+        if (why := super().refusal(compiled, dropout)) is not None:
+            return why
+        if dropout and self.cfg.budget < 1.0:
+            return (
+                f"policy memory_budget: policy.budget={self.cfg.budget} with dropout on: below 1 torch's partitioner "
+                "may recompute dropout with fresh randomness (pytorch issues 190717, 190758: wrong gradients); set "
+                "model.dropout=0 or policy.budget=1"
+            )
+        return None
+
+    def compile_backend(self) -> Any:
+        return budget_backend(float(self.cfg.budget))
+
+
+def budget_backend(budget: float) -> Callable[..., Any]:
+    """inductor, with AOTAutograd's partitioner under `activation_memory_budget=budget` while it compiles a graph.
+
+    A backend of its own rather than the config patched around the model's calls: dynamo keys compiled code by
+    backend, not by functorch's config, so two modules with different budgets in one process would share the first
+    one's cut."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def draws_dropout(model: torch.nn.Module) -> bool:
+    """Does the model draw a dropout mask in training: a dropout module with p > 0, or an attention that keeps its
+    probability as a number (HF attention classes: `attention_dropout`, passed to SDPA)?"""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for key in ("attention_dropout", "dropout_p", "attn_dropout_p"):
+            value = getattr(m, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return True
+    return False
+
+
+@dataclass
 class PerBlockConfig(CompositeConfig):
     blocks: list[str] = field(default_factory=list)  # one treatment per block, e.g. [full, full, offload, none]
     pattern: list[str] = field(default_factory=list)  # repeated to cover the blocks, e.g. [full, none]
@@ -565,6 +642,9 @@ __all__ = [
     "FirstK",
     "FullRecompute",
     "KConfig",
+    "MemoryBudget",
+    "MemoryBudgetConfig",
+    "budget_backend",
     "NoRecompute",
     "Offload",
     "OffloadConfig",
@@ -578,6 +658,7 @@ __all__ = [
     "TorchtitanSAC",
     "TorchtitanSacConfig",
     "ceil_sqrt",
+    "draws_dropout",
     "torchtitan_save_ops",
     "resolve_ops",
 ]
