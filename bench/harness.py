@@ -127,7 +127,7 @@ def registered_policies(config: Config, only: Sequence[str] | None = None) -> tu
     with quiet_policy_notices():
         for name in names:
             if POLICIES[name].requires_compile and not config.trainer.compile:
-                skipped[name] = "needs trainer.compile=true (torch's compile-time partitioner; bench.planner runs it)"
+                skipped[name] = "needs trainer.compile=true (torch's compile-time partitioner: bench.compiled runs it)"
                 continue
             try:
                 estimate.default_policy(name).check(n_layer, attention)

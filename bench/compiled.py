@@ -1,0 +1,212 @@
+"""Compiled against eager, per policy, and torch's budget partitioner at several budgets: measured in one process.
+
+    python -m bench.compiled                      # tiny and llama-tiny (conf defaults: 4×256 tokens), print
+    python -m bench.compiled --write-docs         # also rewrite docs/benchmarks.md's compiled-table block
+    python -m bench.compiled --models tiny --reps 5 seq_len=128
+
+For each model, one configuration composed as train.py composes it (precision=32-true, model.dropout=0: the budget
+partitioner is refused with dropout on, and every row runs alike), and for every variant a module built from the same
+seed: each per-op or block policy eager and compiled (`trainer.compile=true`: the module compiles after its policy, as
+a run's setup does), and `policy=memory_budget` compiled at each `--budget`. Each is stepped twice (compilation, then
+a warm step: AdamW's state and last step's gradients exist), then metered over one step as a run meters it
+(`trainer.core.step.StepMeter`: the live-tensor tracker eager, the allocator's reports compiled; the whole-step peak
+is `peak_total_mib`), then timed: `--reps` rounds interleaved across variants (order rotated), median step ms and
+half the IQR. Ratios are compiled ÷ eager of the same policy, measured side by side here.
+
+`auto` is not a row: it plans from an eager profile (its planner refuses compile), so beside each budget the table
+names the fastest compiled uniform policy whose measured peak is at most that budget's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment, environment_text, replace_block
+from bench.harness import BenchError, random_batch, spread
+from trainer import precision as precision_
+from trainer.core import build
+from trainer.core import step as step_
+from trainer.core.schema import compose_config, describe_user_error
+from trainer.errors import UserError
+from trainer.formatting import MIB
+
+START, END = "<!-- compiled-table:start -->", "<!-- compiled-table:end -->"
+HEADING = "## Measured: compiled against eager, and torch's budget partitioner"
+COMMAND = "python -m bench.compiled --write-docs"
+POLICIES = ("none", "selective", "op_sac", "torchtitan_sac", "full")
+BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
+
+
+@dataclass
+class Row:
+    label: str
+    policy: Any  # a policy name or config mapping
+    compiled: bool
+    module: Any = None
+    parts: tuple[Any, ...] = ()
+    activation: int = 0
+    total: int = 0
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.times) * 1e3
+
+
+def _prepare(row: Row, overrides: Sequence[str]) -> None:
+    config = compose_config([*overrides, f"trainer.compile={str(row.compiled).lower()}"])
+    torch.manual_seed(config.seed)
+    module = build.module(config, row.policy).train()
+    module.configure_model()
+    opt, sched = step_.optimizers_of(module)
+    plugin = precision_.plugin("32-true", "cpu")
+    vocab = int(module.adapter.head.weight.shape[0])
+    x, y = random_batch(vocab, config.batch_size, config.seq_len, seed=0)
+    row.module, row.parts = module, ([(x, y)], opt, sched, plugin, config.trainer.grad_clip)
+    for _ in range(2):
+        _step(row)
+    meter = step_.StepMeter("cpu", compiled=row.compiled)
+    batches, opt, sched, plugin, clip = row.parts
+    step_.bare_step(module, batches, opt, sched, plugin, clip, meter=meter)
+    figures = meter.end(module)
+    row.activation, row.total = figures.activation_bytes, figures.total_bytes
+
+
+def _step(row: Row) -> None:
+    batches, opt, sched, plugin, clip = row.parts
+    step_.bare_step(row.module, batches, opt, sched, plugin, clip)
+
+
+def run(
+    model: str,
+    overrides: Sequence[str],
+    reps: int,
+    budgets: Sequence[float],
+    policies: Sequence[str] = POLICIES,
+) -> dict[str, Any]:
+    import torch._dynamo.config as dynamo_config
+
+    t0 = time.perf_counter()
+    base = [f"model={model}", "precision=32-true", "model.dropout=0.0", *overrides]
+    rows = [Row(f"{p} {'compiled' if c else 'eager'}", p, c) for p in policies for c in (False, True)]
+    rows += [Row(f"memory_budget {b:g}", {"name": "memory_budget", "budget": b}, True) for b in budgets]
+    # Every variant is a module of the same classes: past dynamo's recompile limit a frame would run eagerly.
+    with dynamo_config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
+        for row in rows:
+            try:
+                _prepare(row, base)
+            except UserError as e:
+                raise BenchError(f"{row.label}: {describe_user_error(e)}") from None
+        for r in range(reps):  # interleaved, the order rotated, so a slow spell spreads over all variants
+            for row in rows[r % len(rows) :] + rows[: r % len(rows)]:
+                t = time.perf_counter()
+                _step(row)
+                row.times.append(time.perf_counter() - t)
+    config = compose_config(base)
+    return {
+        "model": model,
+        "shape": f"`{model}`, micro-batch {config.batch_size}×{config.seq_len} tokens",
+        "rows": rows,
+        "policies": list(policies),
+        "reps": reps,
+        "env": environment("cpu", "32-true"),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def table(out: dict[str, Any]) -> str:
+    rows: dict[str, Row] = {r.label: r for r in out["rows"]}
+    lines = [
+        "| policy | eager act. MiB | compiled act. MiB | ÷ | eager peak MiB | compiled peak MiB | ÷ "
+        "| eager step ms | compiled step ms | ÷ |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in out["policies"]:
+        e, c = rows[f"{p} eager"], rows[f"{p} compiled"]
+        lines.append(
+            f"| `{p}` | {e.activation / MIB:.2f} | {c.activation / MIB:.2f} | {c.activation / e.activation:.2f} "
+            f"| {e.total / MIB:.2f} | {c.total / MIB:.2f} | {c.total / e.total:.2f} "
+            f"| {e.ms:,.0f} ±{100 * spread(e.times):.0f}% | {c.ms:,.0f} ±{100 * spread(c.times):.0f}% "
+            f"| {c.ms / e.ms:.2f} |"
+        )
+    uniform = [rows[f"{p} compiled"] for p in out["policies"]]
+    lines += [
+        "",
+        "| `memory_budget` (compiled) | act. MiB | peak MiB | step ms | fastest compiled uniform policy at most that "
+        "peak | its peak MiB | its step ms | budget ÷ uniform |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in out["rows"]:
+        if not r.label.startswith("memory_budget"):
+            continue
+        fits = [u for u in uniform if u.total <= r.total]
+        best = min(fits, key=lambda u: u.ms) if fits else None
+        them = (
+            f"`{best.label.split()[0]}` | {best.total / MIB:.2f} | {best.ms:,.0f} ±{100 * spread(best.times):.0f}% "
+            f"| {r.ms / best.ms:.2f}"
+            if best
+            else "none fits | — | — | —"
+        )
+        lines.append(
+            f"| {r.label.split()[1]} | {r.activation / MIB:.2f} | {r.total / MIB:.2f} "
+            f"| {r.ms:,.0f} ±{100 * spread(r.times):.0f}% | {them} |"
+        )
+    return "\n".join(lines)
+
+
+def header(outs: Sequence[dict[str, Any]], command: str) -> str:
+    seconds = sum(o["seconds"] for o in outs)
+    return (
+        f"Generated by `{command}` ({environment_text(outs[0]['env'])}, {seconds:.0f} s). Each variant a module from "
+        "the same seed, stepped twice (compilation, a warm step), metered over one step as a run meters it "
+        "(activation peak and whole-step peak, `peak_total_mib`: the live-tensor tracker eager, the allocator's "
+        "reports "
+        f"compiled), then timed over {outs[0]['reps']} rounds interleaved across variants (median ± half the IQR). "
+        "model.dropout=0 throughout (`memory_budget` is refused with dropout below budget 1 on this torch). `auto` "
+        "plans from an eager profile, so beside each budget stands the fastest compiled uniform policy that fits."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.compiled", description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (seq_len=128)")
+    ap.add_argument("--models", default="tiny,llama-tiny", help="conf/model options, comma-separated")
+    ap.add_argument("--reps", type=int, default=7, help="timed steps per variant (median)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="the policies compared eager and compiled")
+    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="memory_budget's budgets")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
+    add_page_arguments(ap, BENCHMARKS_PAGE, f"the block between {START} and {END}")
+    args = ap.parse_intermixed_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be ≥ 1")
+    try:
+        budgets = [float(b) for b in args.budgets.split(",")]
+    except ValueError:
+        ap.error(f"--budgets {args.budgets!r}: give numbers in [0, 1], comma-separated")
+    torch.set_num_threads(args.threads)
+    command = f"{COMMAND} {' '.join(args.overrides)}".rstrip()
+    outs = []
+    for model in args.models.split(","):
+        try:
+            outs.append(run(model, args.overrides, args.reps, budgets, args.policies.split(",")))
+        except BenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    block = header(outs, command) + "\n\n" + "\n\n".join(f"**{o['shape']}**\n\n{table(o)}" for o in outs)
+    print(block)
+    if args.write_docs:
+        replace_block(args.page, START, END, block, HEADING)
+        print(f"\nwrote {args.page}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
