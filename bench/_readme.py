@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,15 @@ def replace_block(path: Path, start: str, end: str, block: str, heading: str) ->
     else:
         text = text.rstrip("\n") + f"\n\n{heading}\n\n" + body + "\n"
     path.write_text(text)
+
+
+def publish(args: argparse.Namespace, block: str, start: str, end: str, heading: str) -> int:
+    """A single-block benchmark's ending: print the block, and with --write-docs put it on --page. Returns 0."""
+    print(block)
+    if args.write_docs:
+        replace_block(args.page, start, end, block, heading)
+        print(f"\nwrote {args.page}", file=sys.stderr)
+    return 0
 
 
 def add_page_arguments(ap: argparse.ArgumentParser, page: Path, blocks: str) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment, environment_text, publish
 from bench.harness import BenchError, random_batch, spread
 from trainer import precision as precision_
 from trainer.core import build
@@ -201,11 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     block = header(outs, command) + "\n\n" + "\n\n".join(f"**{o['shape']}**\n\n{table(o)}" for o in outs)
-    print(block)
-    if args.write_docs:
-        replace_block(args.page, START, END, block, HEADING)
-        print(f"\nwrote {args.page}", file=sys.stderr)
-    return 0
+    return publish(args, block, START, END, HEADING)
 
 
 if __name__ == "__main__":

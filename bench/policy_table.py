@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment_text, publish
 from bench.harness import BenchError, Harness, Variant, bench_config, quiet_policy_notices, registered_policies
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB
@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     extra = " ".join([*(["--model", args.model] if args.model else []), *args.overrides])
     block = header(out, f"{COMMAND} {extra}".rstrip()) + "\n\n" + table(out)
-    print(block)
-    if args.write_docs:
-        replace_block(args.page, START, END, block, HEADING)
-        print(f"\nwrote {args.page}", file=sys.stderr)
-    return 0
+    return publish(args, block, START, END, HEADING)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench._readme import STEP_TIME_PAGE, add_page_arguments, cpu_name, replace_block
+from bench._readme import STEP_TIME_PAGE, add_page_arguments, cpu_name, publish
 from trainer.core.schema import compose_config, describe_user_error
 from trainer.estimate import Estimate, estimate_all, open_session
 from trainer.estimate.tables import quiet_policy_notices
@@ -186,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"--gpus {args.gpus}"] if gpus != list(GPUS) else []
     command = " ".join([COMMAND, *extra, *args.overrides])
     block = render(out, command)
-    print(block)
-    if args.write_docs:
-        replace_block(args.page, START, END, block, HEADING)
-        print(f"\nwrote {args.page}", file=sys.stderr)
-    return 0
+    return publish(args, block, START, END, HEADING)
 
 
 if __name__ == "__main__":
