@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 
 from tests.conftest import CLI_ENV, ROOT, SMALL, run_cli
 from trainer.core.run import RunFailed, train
+from trainer.measure import metrics as M
 
 RESUME = [
     *SMALL,
@@ -271,7 +272,8 @@ def test_fsdp2_mixed_precision_runs_as_estimated_to_the_byte(tmp_path: Path, fam
     runs = {}
     for p in ("none", "full", "op_sac", "torchtitan_sac"):
         run_dir = tmp_path / p
-        r = run_cli(*shape, f"policy={p}", "trainer.max_steps=4", f"hydra.run.dir={run_dir}", timeout=300)
+        run = [*shape, f"policy={p}", "trainer.max_steps=4", "measure.predict=true", f"hydra.run.dir={run_dir}"]
+        r = run_cli(*run, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "FSDP2 MixedPrecisionPolicy" in r.stdout + r.stderr  # the start line names it
         runs[p] = summary = json.loads((run_dir / "summary.json").read_text())
@@ -283,6 +285,10 @@ def test_fsdp2_mixed_precision_runs_as_estimated_to_the_byte(tmp_path: Path, fam
             session.close()
         assert est.activation_bytes == summary["per_rank"][0]["activation_peak_mib"] * 2**20, p
         assert est.peak_bytes == summary["peak_total_mib"] * 2**20, p
+        # the run's own prediction, made inside the run's process group, is the same estimate
+        assert summary.get(M.PREDICTION_NOTE) is None, summary.get(M.PREDICTION_NOTE)
+        assert summary[M.PREDICTED_ACTIVATION_PEAK_KEY] * 2**20 == est.activation_bytes, p
+        assert summary[M.PREDICTED_PEAK_TOTAL_KEY] * 2**20 == est.peak_bytes, p
     checksums = {p: [r["param_checksum"] for r in s["per_rank"]] for p, s in runs.items()}
     assert len({s["final_train_loss"] for s in runs.values()}) == 1, {p: s["final_train_loss"] for p, s in runs.items()}
     assert len({tuple(c) for c in checksums.values()}) == 1, checksums

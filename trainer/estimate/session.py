@@ -177,6 +177,7 @@ class Session:
     notes: list[str]
     world: int = 1  # data-parallel ranks (trainer=fsdp2): the figures are one rank's
     host: HostLedger = field(default_factory=HostLedger)  # offload's host copies (device cuda), per measure
+    group: Any = None  # trainer=fsdp2: the fake process group this session made, destroyed by close()
 
     @property
     def offloads(self) -> bool:
@@ -188,8 +189,8 @@ class Session:
     def close(self) -> None:
         """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own). Its
         figures stay readable; measuring on it again is not possible."""
-        if not self.closed and self.world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if not self.closed and self.group is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(self.group)
         self.closed = True
 
     def release_group(self) -> Session | None:
@@ -352,8 +353,11 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     vocab = model_vocab(config)
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
+    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
+    if refusal:
+        raise ConfigError(refusal)
     world = sharded_world(config)
-    mesh = _fake_mesh(world, fake_device) if world > 1 else None
+    mesh, group = _fake_mesh(world, fake_device) if world > 1 else (None, None)
     if mesh is not None:
         notes.append(
             f"trainer=fsdp2: one rank of {world} (a fake process group): parameters, gradients and AdamW state "
@@ -362,9 +366,6 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         )
     elif config.trainer.strategy == "ddp":
         notes.append("trainer=ddp: one rank, without DDP's gradient buckets (a further copy of the gradients)")
-    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
-    if refusal:
-        raise ConfigError(refusal)
     if config.trainer.compile:
         notes.append(COMPILE_NOTE)
     if precision_.fsdp2_param_dtype(chosen, config.trainer) is not None:
@@ -373,30 +374,49 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             "fp32 gradient reduce-scatter, fp32 sharded master weights and AdamW state), no autocast; "
             "trainer.mixed_precision=autocast estimates autocast over fp32 shards"
         )
-    fake = FakeTensorMode()
-    plugin = _plugin(precision_.lightning_precision(chosen, config.trainer), fake_device, autocast_cache, notes)
-    with fake, rules, _real_semantics(config), torch.device(fake_device):
-        torch.manual_seed(config.seed)
-        module = build.module(config, "none", vocab_size=vocab, hf_config=hf_config, precision=chosen)
-        dtype = precision_.param_dtype(chosen)
-        if dtype != torch.float32:
-            _to_dtype(module, dtype)  # what the plugin's convert_module (module.to(dtype)) does
-        if mesh is not None:  # what Lightning's ModelParallelStrategy does with the module: its configure_model
-            module._device_mesh = mesh
-            module.configure_model()
-        module.train()
-        if device == "cuda":  # what torch picks for real CUDA parameters, never for fake ones
-            module.optimizer_foreach = True
-            notes.append("AdamW's foreach implementation, as torch picks it for CUDA parameters")
-        optimizer, scheduler = step_.optimizers_of(module)
-        v = module.adapter.head.weight.shape[0]
-        shape = (config.batch_size, config.seq_len)
-        batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(config.accum)]
-    session = Session(config, device, chosen, module, optimizer, scheduler, plugin, batches, fake, rules, notes, world)
-    with session.active():
-        # Last step's gradients and AdamW's state, as a real step leaves them: one step on the fake tensors, so a
-        # parameter no backward reaches (DeepSeek-V3.2's indexer runs under no_grad) has neither, as in the run.
-        session.step()
+    try:
+        fake = FakeTensorMode()
+        plugin = _plugin(precision_.lightning_precision(chosen, config.trainer), fake_device, autocast_cache, notes)
+        with fake, rules, _real_semantics(config), torch.device(fake_device):
+            torch.manual_seed(config.seed)
+            module = build.module(config, "none", vocab_size=vocab, hf_config=hf_config, precision=chosen)
+            dtype = precision_.param_dtype(chosen)
+            if dtype != torch.float32:
+                _to_dtype(module, dtype)  # what the plugin's convert_module (module.to(dtype)) does
+            if mesh is not None:  # what Lightning's ModelParallelStrategy does with the module: its configure_model
+                module._device_mesh = mesh
+                module.configure_model()
+            module.train()
+            if device == "cuda":  # what torch picks for real CUDA parameters, never for fake ones
+                module.optimizer_foreach = True
+                notes.append("AdamW's foreach implementation, as torch picks it for CUDA parameters")
+            optimizer, scheduler = step_.optimizers_of(module)
+            v = module.adapter.head.weight.shape[0]
+            shape = (config.batch_size, config.seq_len)
+            batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(config.accum)]
+        session = Session(
+            config,
+            device,
+            chosen,
+            module,
+            optimizer,
+            scheduler,
+            plugin,
+            batches,
+            fake,
+            rules,
+            notes,
+            world,
+            group=group,
+        )
+        with session.active():
+            # Last step's gradients and AdamW's state, as a real step leaves them: one step on the fake tensors, so a
+            # parameter no backward reaches (DeepSeek-V3.2's indexer runs under no_grad) has neither, as in the run.
+            session.step()
+    except BaseException:
+        if group is not None:  # nothing half-made left behind: a later estimate makes its own
+            torch.distributed.destroy_process_group(group)
+        raise
     notes.append(
         "a steady-state step as train.py runs it: forward with last step's gradients alive, zero_grad, backward, "
         "clip, AdamW.step() (the first step peaks lower)"
@@ -436,15 +456,25 @@ def sharded_world(config: Config) -> int:
     return t.devices * t.num_nodes
 
 
-def _fake_mesh(world: int, device_type: str) -> Any:
-    """A device mesh over `world` ranks of torch's fake process group (collectives that move nothing), as rank 0."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _fake_mesh(world: int, device_type: str) -> tuple[Any, Any]:
+    """A device mesh over `world` ranks of torch's fake process group (collectives that move nothing), and the
+    group to destroy after. Outside a run, this process becomes rank 0 of a fake default group. Inside a run (its
+    own prediction: the default group is the run's), a fake group over the run's ranks, each rank its own share;
+    the run's group is left untouched."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if torch.distributed.is_initialized():
-        raise ConfigError("trainer=fsdp2 estimate: a process group is already initialised in this process")
-    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("data_parallel",))
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("data_parallel",)), dist.GroupMember.WORLD
+    if dist.get_world_size() != world:
+        raise ConfigError(
+            f"trainer=fsdp2 estimate of {world} ranks inside a process group of {dist.get_world_size()}: estimate "
+            f"it outside the run (python -m trainer.estimate ... trainer.devices={world})"
+        )
+    group = dist.new_group(backend="fake")  # every rank predicts, so every rank makes it, in the same order
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("data_parallel",)), group
 
 
 def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
