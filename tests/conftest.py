@@ -181,7 +181,7 @@ def hf_configs() -> dict[str, object]:
             attention_dropout=0.1,
             **common,
         ),
-        # attention computed inline (no swappable function); layers return (output, attn_weights), the loop reads [0]
+        # multi-query attention; inline up to transformers 5.24, a swappable function from 5.25
         "falcon": transformers.FalconConfig(
             hidden_size=32,
             num_hidden_layers=4,
@@ -190,6 +190,20 @@ def hf_configs() -> dict[str, object]:
             multi_query=True,
             attention_dropout=0.1,
             hidden_dropout=0.1,
+            **common,
+        ),
+        # attention computed inline (no swappable function), alternating global and local (sliding-window) layers;
+        # layers return (output, attn_weights), the loop reads [0]
+        "gpt_neo": transformers.GPTNeoConfig(
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            attention_types=[[["global", "local"], 2]],
+            window_size=8,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+            resid_dropout=0.1,
+            embed_dropout=0.1,
             **common,
         ),
         # ALiBi, attention inline, no SDPA in transformers

@@ -205,11 +205,11 @@ def test_data_tokenizer_model_without_a_tokenizer(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("family", ["falcon", "bloom"])
+@pytest.mark.parametrize("family", ["gpt_neo", "bloom"])
 def test_a_family_without_a_swappable_attention_runs_transformers_own_eager(
     hf_models: dict[str, Path], family: str
 ) -> None:
-    """Falcon and Bloom compute attention inline: model.attention=eager loads transformers' own eager
+    """GPT-Neo and Bloom compute attention inline: model.attention=eager loads transformers' own eager
     implementation (Bloom has no SDPA at all), the logits are the model's own, and only selective, which needs the
     seam, is refused in one line; every other policy installs."""
     import transformers
@@ -274,9 +274,9 @@ def test_selective_on_a_family_computing_attention_inline_leaves_no_folder(
     from trainer.policies import PolicyError
 
     cfg = compose_cfg(
-        "model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager", "policy=selective", *RUN
+        "model=hf", f"model.name_or_path={hf_models['gpt_neo']}", "model.attention=eager", "policy=selective", *RUN
     )
-    with pytest.raises(PolicyError, match="FalconForCausalLM has no swappable attention function"):
+    with pytest.raises(PolicyError, match="GPTNeoForCausalLM has no swappable attention function"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -311,7 +311,7 @@ def test_a_model_without_a_layer_list_is_one_line() -> None:
 
 # Families whose forward does something to its logits (Cohere scales them, Gemma-2 soft-caps them) and families
 # that do nothing: the project's loss, through every head, is the one the model's own forward computes with labels.
-OWN_LOSS_FAMILIES = ["llama", "gpt2", "qwen2", "cohere", "gemma2", "opt", "falcon", "bloom"]
+OWN_LOSS_FAMILIES = ["llama", "gpt2", "qwen2", "cohere", "gemma2", "opt", "falcon", "gpt_neo", "bloom"]
 TRANSFORMS = {"cohere": "× 0.0625", "gemma2": "1·tanh(·/1)"}
 
 
@@ -434,7 +434,7 @@ def test_cli_hf_errors_are_one_line(hf_models: dict[str, Path], tmp_path: Path) 
         (["model=hf"], "model.name_or_path"),
         (["model=hf", f"model.name_or_path={hf_models['gemma2']}", "model.attention=sdpa"], "no SDPA attention"),
         (
-            ["model=hf", f"model.name_or_path={hf_models['falcon']}", "model.attention=eager", "policy=selective"],
+            ["model=hf", f"model.name_or_path={hf_models['gpt_neo']}", "model.attention=eager", "policy=selective"],
             "has no swappable attention function",
         ),
     ):
