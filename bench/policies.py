@@ -397,7 +397,7 @@ def _row(
         "flops_ratio": f.flops / fb.flops,
         "flops_uncounted": ",".join(f.uncounted_ops),
         "est_activation_mib": None if e is None else e.activation_bytes / MIB,
-        "est_head_mib": None if e is None else e.head_bytes / MIB,
+        "est_head_mib": None if e is None or e.head_bytes is None else e.head_bytes / MIB,
         "est_peak_total_mib": None if e is None else e.peak_bytes / MIB,
         "est_flops_ratio": None if e is None or eb is None else e.flops / eb.flops,
         "est_error": est_errors.get(spec.key),

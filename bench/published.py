@@ -12,7 +12,7 @@ Rows:
   its releases up to 0.2 (policy.version=0.2), on the catalogue's H100-96GB. Its memory column is the peak
   *reserved* bytes (torchtitan prints `reserved_bytes.all.peak`): set beside our replay of CUDA's caching
   allocator, and our tensors' peak (what `max_memory_allocated` would be) beside that. The compile and Float8 rows
-  are listed, not estimated: the estimator has no compile path, nor Float8 training.
+  are listed, not estimated: the estimator's compiled step runs on one device (not FSDP2), and has no Float8.
 - Korthikanti et al. 2022, Table 4: one 22B GPT layer (h 6144, 64 heads, s 2048, micro-batch 4) on an A100, forward
   + backward time under no recompute, full recompute and selective recompute. Theirs ran at tensor parallelism 8
   (an eighth of the layer per GPU) with Megatron's fused kernels; ours is the whole layer on one A100-80GB in

@@ -36,10 +36,6 @@ class PredictionCallback(L.Callback):
         from trainer.estimate import measure, open_session
         from trainer.policies import build_policy
 
-        if getattr(self.config.trainer, "compile", False):
-            # The estimator estimates the eager step; beside the compiled step's figures its errors would mislead.
-            self.note = "not predicted: trainer.compile=true, and the estimator has no compile path (eager step only)"
-            return
         model = getattr(pl_module, "model", pl_module)
         installed = getattr(model, "activation_policy", None) or pl_module.policy
         policy = build_policy(installed.cfg)  # its own object: the run's holds the run's state (offload's streams)

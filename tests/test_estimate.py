@@ -23,7 +23,7 @@ from models import FAMILIES
 from tests.conftest import NATIVE_FAMILIES, ROOT
 from trainer import precision
 from trainer.core.run import train
-from trainer.core.schema import compose_config, validate
+from trainer.core.schema import ConfigError, compose_config, validate
 from trainer.estimate import (
     CudaKernelRules,
     Estimate,
@@ -72,7 +72,7 @@ RUN = [
     "measure.activation_every_n_steps=1",
 ]
 # auto plans at fit start (tests/test_planner.py); a compile-time policy is not estimated (tests/test_compiled.py)
-POLICY_NAMES = [p for p in POLICIES if p != "auto" and not POLICIES[p].not_estimated]
+POLICY_NAMES = [p for p in POLICIES if p != "auto" and not POLICIES[p].not_estimated(False)]
 
 
 def assert_estimate_equals_run(est: Any, summary: dict[str, Any]) -> None:
@@ -483,8 +483,9 @@ def test_a_cuda_estimate_replays_the_caching_allocator() -> None:
             assert est.reserved_bytes is None
 
 
-def test_a_compiled_configuration_is_said_to_be_estimated_eager() -> None:
-    """The estimator has no compile path: under trainer.compile=true it says its figures are eager's."""
+def test_a_compiled_configuration_says_what_its_compiled_estimate_approximates() -> None:
+    """Under trainer.compile=true the estimate is the compiled step's (tests/test_compiled.py), and says what it
+    leaves out (inductor's fusion inside a graph); an FSDP2 configuration under compile is refused in one line."""
     from trainer.estimate.session import COMPILE_NOTE
 
     config = compose_config(["model=micro", "seq_len=16", "batch_size=2", "trainer.compile=true"])
@@ -498,15 +499,24 @@ def test_a_compiled_configuration_is_said_to_be_estimated_eager() -> None:
         assert COMPILE_NOTE not in plain.notes
     finally:
         plain.close()
+    sharded = compose_config(
+        ["model=micro", "seq_len=16", "trainer=fsdp2", "trainer.devices=2", "trainer.compile=true"]
+    )
+    with pytest.raises(ConfigError, match="trainer.compile=true with trainer=fsdp2 is not estimated yet") as e:
+        open_session(sharded, "cpu")
+    assert "\n" not in str(e.value)
+    assert not torch.distributed.is_initialized()  # refused before any process group is made
 
 
-def test_a_compile_time_policy_is_not_estimated_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
-    """memory_budget is decided by torch's partitioner as the model compiles: the table says so in its row, and
-    asked for it, the estimator refuses in one line (no eager stand-in)."""
+def test_a_compile_time_policy_is_not_estimated_eager_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """memory_budget is decided by torch's partitioner as the model compiles: an eager configuration's table says
+    so in its row, and asked for it eager, the estimator refuses in one line (no eager stand-in); under
+    trainer.compile=true it is estimated (tests/test_compiled.py)."""
     config = compose_config(["model=micro", "seq_len=16", "batch_size=2"])
     table = estimate_all(config, only=["none", "memory_budget"])
-    assert isinstance(table["none"], Estimate) and "no compile path" in table["memory_budget"]
-    overrides = ["model=micro", "seq_len=16", "batch_size=2", "model.dropout=0", "trainer.compile=true"]
+    assert isinstance(table["none"], Estimate)
+    assert table["memory_budget"] == "decided by torch.compile's partitioner: estimated under trainer.compile=true"
+    overrides = ["model=micro", "seq_len=16", "batch_size=2", "model.dropout=0"]
     assert main([*overrides, "policy=memory_budget"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no compile path" in err[0]
+    assert len(err) == 1 and "estimated under trainer.compile=true" in err[0], err

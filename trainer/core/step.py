@@ -83,10 +83,16 @@ class StepMeter:
 
     WINDOW_END = "window_end"
 
-    def __init__(self, device_type: str | None, regions: bool = False, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        device_type: str | None,
+        regions: bool = False,
+        compiled: bool = False,
+        tracker: type[LiveTensorTracker] = LiveTensorTracker,
+    ) -> None:
         if compiled and (regions or device_type is None):
             raise ValueError("a compiled step is counted on a real device, without regions")
-        self.tracker = LiveTensorTracker(device=device_type)
+        self.tracker = tracker(device=device_type)  # the estimator's compiled step: one dynamo runs graphs under
         self.recorder = AllocatorRecorder(device_type) if compiled and device_type is not None else None
         self.regions = regions
         self._activation: int | None = None

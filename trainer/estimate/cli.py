@@ -40,8 +40,8 @@ def parse_bytes(text: str) -> int:
     return parse_size(text, "--budget")
 
 
-def _mib(n: float) -> str:
-    return f"{n / MIB:,.1f}"
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / MIB:,.1f}"
 
 
 def _size(n: int) -> str:
@@ -135,7 +135,11 @@ def _memory(est: Estimate) -> list[str]:
     ]
     rows += [(f"  {label}", v, "") for label, v in group_labels(est.breakdown).items()]
     rows += [
-        ("head and loss at its largest", est.head_bytes, f"(loss={est.loss}: final norm, logits, loss)"),
+        (
+            "head and loss at its largest",
+            est.head_bytes,
+            f"(loss={est.loss}: final norm, logits, loss)" if est.head_bytes is not None else "(compiled: no regions)",
+        ),
         ("total: the step's peak", est.peak_bytes, "(memory/peak_total_mib), of which:"),
     ]
     rows += [(f"  {label}", v, "") for label, v in group_labels(est.at_step_peak).items()]
@@ -477,10 +481,11 @@ def _extras(
     fit = None
     if args.fit:
         assert reserve is not None
+        compiled = session.config.trainer.compile
         names = [
             n
             for n, e in table.items()
-            if isinstance(e, Estimate) or not (POLICIES[n].planned_first or POLICIES[n].not_estimated)
+            if isinstance(e, Estimate) or not (POLICIES[n].planned_first or POLICIES[n].not_estimated(compiled))
         ]
         fit = fit_table(
             session.config,

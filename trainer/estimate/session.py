@@ -30,6 +30,7 @@ from trainer.loss import LossConfig
 from trainer.measure.allocator import replay
 from trainer.measure.steptime import Collectives, OpTrace, Speed, StepTime, Work
 from trainer.policies import Policy, apply_policy, build_policy
+from trainer.policies.library import draws_dropout
 from trainer.policies.offload import HostLedger, offload_to_ledger
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class Estimate:
     breakdown: dict[str, int]
     at_step_peak: dict[str, int]
     kept_per_layer: list[int]
-    head_bytes: int  # the most bytes the head (final norm, logits, loss; forward and backward) held at once
+    # the most bytes the head (final norm, logits, loss; forward and backward) held at once; None compiled (no regions)
+    head_bytes: int | None
     fwd_flops: int
     bwd_flops: int  # the recompute included (a checkpointed forward runs again inside the backward)
     peak_at: str = ""
@@ -187,10 +189,15 @@ class Session:
     closed: bool = False
 
     def close(self) -> None:
-        """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own). Its
-        figures stay readable; measuring on it again is not possible."""
+        """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own), and
+        under trainer.compile=true dynamo's caches of the fake graphs (a run predicting itself compiles its own
+        model next). Its figures stay readable; measuring on it again is not possible."""
         if not self.closed and self.group is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group(self.group)
+        if not self.closed and self.config.trainer.compile:
+            from torch._dynamo import reset
+
+            reset()
         self.closed = True
 
     def release_group(self) -> Session | None:
@@ -357,6 +364,11 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     if refusal:
         raise ConfigError(refusal)
     world = sharded_world(config)
+    if config.trainer.compile and world > 1:
+        raise ConfigError(
+            "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "
+            "estimate trainer.compile=true without FSDP2, or FSDP2 without compile"
+        )
     mesh, group = _fake_mesh(world, fake_device) if world > 1 else (None, None)
     if mesh is not None:
         notes.append(
@@ -441,8 +453,9 @@ def _collectives(session: Session) -> Collectives:
 
 
 COMPILE_NOTE = (
-    "trainer.compile=true: these are the eager step's bytes, ops and times; the estimator has no compile path yet "
-    "(what AOTAutograd's partitioner saves and what inductor fuses differ)"
+    "trainer.compile=true: the compiled step, partitioned by inductor's own compile_fx (what is saved for backward "
+    "and what is recomputed are its choices), each graph run op by op (inductor's fusion inside a graph not modeled: "
+    "a fused kernel's intermediates count as tensors); no per-layer breakdown; times cost the graphs' ops unfused"
 )
 
 
@@ -496,8 +509,11 @@ def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def measure(session: Session, policy: Policy, loss: LossConfig | None = None) -> Estimate:
     """`policy` (and `loss`, else the configured head) on the session's module: one step, its figures."""
-    if policy.not_estimated:
-        raise PolicyError(f"policy {policy.name}: {policy.not_estimated}")
+    compiled = session.config.trainer.compile
+    if why := policy.not_estimated(compiled):
+        raise PolicyError(f"policy {policy.name}: {why}")
+    if why := policy.refusal(compiled, draws_dropout(session.module.model)):  # as the run refuses it
+        raise PolicyError(why)
     module = session.module
     configured_loss = module.loss_config
     if loss is not None:
@@ -509,8 +525,17 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
             if session.world > 1:
                 explain_group_stand_ins(module.model)  # sharded as a run shards: torch's view warning, explained
             plan = module.model.activation_plan
-            meter = step_.StepMeter(device_type=None, regions=True)
-            counter = OpTrace()
+            if compiled:
+                from trainer.estimate import compiled as compiled_
+
+                compiled_.compile_model(module.model, policy.compile_backend(compiled_.run_op_by_op))
+                session.step()  # compiles: the metered step runs compiled code, as a run's steps after its first
+                # No regions: the layers' hooks would be traced into the graphs (and break them), unlike the run's.
+                meter = step_.StepMeter(device_type=None, tracker=compiled_.GraphTracker)
+                counter: OpTrace = compiled_.GraphOpTrace()
+            else:
+                meter = step_.StepMeter(device_type=None, regions=True)
+                counter = OpTrace()
             forward: dict[str, int] = {}
             with counter:
                 try:
@@ -547,8 +572,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         components=components,
         breakdown=dict(sorted(figures.at_activation_peak.items(), key=_label_order)),
         at_step_peak=dict(sorted(figures.at_total_peak.items(), key=_label_order)),
-        kept_per_layer=layers,
-        head_bytes=figures.head_peak,
+        kept_per_layer=[] if compiled else layers,
+        head_bytes=None if compiled else figures.head_peak,
         fwd_flops=fwd,
         bwd_flops=total_flops - fwd,
         peak_at=figures.peak_phase,

@@ -53,9 +53,9 @@ def build_context(config: Config, device: str) -> tuple[ExportInput, Session, st
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
     the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
     policy = build_policy(config.policy)
-    if policy.not_estimated:  # its cut is the compiler's, so there is no plan of ours to map or to measure
+    if policy.requires_compile:  # its cut is the compiler's, so there is no plan of ours to map
         raise PolicyError(
-            f"policy {policy.name}: not exported: {policy.not_estimated} (torchtitan's peer is "
+            f"policy {policy.name}: not exported: decided by torch.compile's partitioner (torchtitan's peer is "
             "activation-checkpoint:memory-budget with activation_checkpoint.memory_budget, under compile)"
         )
     with quiet_policy_notices():

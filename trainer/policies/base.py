@@ -130,9 +130,15 @@ class Policy:
     planned_first: ClassVar[bool] = False
     unplanned: ClassVar[str] = ""
     # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
-    # and the estimator, which has no compile path, says this instead of an estimate.
+    # and the estimator estimates it only there (trainer.estimate.compiled).
     requires_compile: ClassVar[bool] = False
-    not_estimated: ClassVar[str] = ""
+
+    @classmethod
+    def not_estimated(cls, compiled: bool) -> str:
+        """What the estimator says instead of an estimate of this policy, or "" where it estimates it."""
+        if cls.requires_compile and not compiled:
+            return "decided by torch.compile's partitioner: estimated under trainer.compile=true"
+        return ""
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
@@ -154,9 +160,17 @@ class Policy:
             return f"policy {self.name} is decided by torch.compile's partitioner: it needs trainer.compile=true"
         return None
 
-    def compile_backend(self) -> Any:
-        """The torch.compile backend the model compiles with under trainer.compile=true (called once per module)."""
-        return "inductor"
+    def compile_backend(self, inner_compile: Any = None) -> Any:
+        """The torch.compile backend the model compiles with under trainer.compile=true (called once per module).
+        `inner_compile`: inductor's partitioning with another code generator in place of its own (the estimator's
+        op-by-op graphs, trainer.estimate.compiled)."""
+        if inner_compile is None:
+            return "inductor"
+        import functools
+
+        from torch._inductor.compile_fx import compile_fx
+
+        return functools.partial(compile_fx, inner_compile=inner_compile)
 
     def choose(self, block_treatments: Iterable[str]) -> None:
         """A planned policy takes the plan its planner chose, one treatment per block."""

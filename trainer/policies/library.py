@@ -446,10 +446,6 @@ class MemoryBudget(Policy):
     name = "memory_budget"
     Config = MemoryBudgetConfig
     requires_compile = True
-    not_estimated = (
-        "decided by torch.compile's partitioner, and the estimator has no compile path: measure it with a run "
-        "(trainer.compile=true)"
-    )
 
     def plan(self, n_layer: int) -> Plan:
         return Plan.uniform(n_layer, "none")
@@ -465,11 +461,11 @@ class MemoryBudget(Policy):
             )
         return None
 
-    def compile_backend(self) -> Any:
-        return budget_backend(float(self.cfg.budget))
+    def compile_backend(self, inner_compile: Any = None) -> Any:
+        return budget_backend(float(self.cfg.budget), inner_compile)
 
 
-def budget_backend(budget: float) -> Callable[..., Any]:
+def budget_backend(budget: float, inner_compile: Any = None) -> Callable[..., Any]:
     """inductor, with AOTAutograd's partitioner under `activation_memory_budget=budget` while it compiles a graph.
 
     A backend of its own rather than the config patched around the model's calls: dynamo keys compiled code by
@@ -481,7 +477,9 @@ def budget_backend(budget: float) -> Callable[..., Any]:
         import torch._functorch.config as functorch_config
 
         with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
+            if inner_compile is None:
+                return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     return backend
 
