@@ -281,16 +281,21 @@ def test_fsdp2_mixed_precision_runs_as_estimated_to_the_byte(tmp_path: Path, fam
         session = open_session(config)
         try:
             est = measure(session, build_policy(config.policy))
+            # one layer's FSDP2 all-gather output, in bf16 (DTensor.numel is the unsharded count)
+            gathered = max(sum(q.numel() for q in layer.parameters()) for layer in session.module.adapter.layers) * 2
         finally:
             session.close()
         assert est.activation_bytes == summary["per_rank"][0]["activation_peak_mib"] * 2**20, p
-        assert est.peak_bytes == summary["peak_total_mib"] * 2**20, p
+        # The whole-step peak is the estimate's to the byte, or up to one layer's all-gather output above: FSDP2
+        # frees the last layer's all-gather output in the root's post-forward, and now and then (about one lone run
+        # in three on one day, none in 27 runs since) that free has landed after the loss's forward, a few ops later
+        # (by what is not found yet); held there on purpose, it reads exactly the 16,564 B those runs read.
+        # Anything else, above or below, fails.
+        for figure in (summary["peak_total_mib"], summary[M.PREDICTED_PEAK_TOTAL_KEY]):
+            assert 0 <= figure * 2**20 - est.peak_bytes <= gathered, (p, figure * 2**20, est.peak_bytes, gathered)
         # the run's own prediction, made inside the run's process group, is the same estimate
         assert summary.get(M.PREDICTION_NOTE) is None, summary.get(M.PREDICTION_NOTE)
         assert summary[M.PREDICTED_ACTIVATION_PEAK_KEY] * 2**20 == est.activation_bytes, p
-        # Its whole-step peak is the same to the byte when the machine is idle, but under `pytest -n auto` the
-        # in-run prediction of `full` once came out 16,564 B (1.9 %) above: not yet explained, so bounded, not exact.
-        assert abs(summary[M.PREDICTED_PEAK_TOTAL_KEY] * 2**20 / est.peak_bytes - 1) <= 0.05, p
     checksums = {p: [r["param_checksum"] for r in s["per_rank"]] for p, s in runs.items()}
     assert len({s["final_train_loss"] for s in runs.values()}) == 1, {p: s["final_train_loss"] for p, s in runs.items()}
     assert len({tuple(c) for c in checksums.values()}) == 1, checksums
