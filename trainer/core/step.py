@@ -92,7 +92,8 @@ class StepMeter:
     ) -> None:
         if compiled and (regions or device_type is None):
             raise ValueError("a compiled step is counted on a real device, without regions")
-        self.tracker = tracker(device=device_type)  # the estimator's compiled step: one dynamo runs graphs under
+        # `tracker`: the estimator's compiled step passes one that dynamo runs compiled graphs under
+        self.tracker = tracker(device=device_type)
         self.recorder = AllocatorRecorder(device_type) if compiled and device_type is not None else None
         self.regions = regions
         self._activation: int | None = None

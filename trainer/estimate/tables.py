@@ -83,8 +83,8 @@ def estimate_tables(
             continue
         elif POLICIES[name].planned_first and (plans or {}).get(name) is None:
             table[name] = POLICIES[name].unplanned
-        elif POLICIES[name].not_estimated(config.trainer.compile):
-            table[name] = POLICIES[name].not_estimated(config.trainer.compile)
+        elif why := POLICIES[name].not_estimated(config.trainer.compile):
+            table[name] = why
         else:
             tasks.append((name, None))
     for name in LOSSES if losses else ():
