@@ -161,6 +161,24 @@ def test_the_guarded_selective_policies_compile(policy: dict[str, object]) -> No
     assert figures["activation"] > 0
 
 
+@pytest.mark.parametrize("policy", ["op_sac", "torchtitan_sac"])
+def test_the_per_op_policies_compile_without_a_graph_break(policy: str) -> None:
+    """A per-op policy's checkpoint contexts are made when the policy is, not on their first read inside the traced
+    forward: a functools.cached_property takes an RLock there (Python 3.11), which dynamo cannot trace, so every
+    block's checkpoint broke the graph and the compiled step was a different, per-block program."""
+    from torch._dynamo.utils import counters
+
+    config = compose_config([*MODELS["llama"], *SHAPES, "trainer.compile=true"])
+    module = build.module(config, build_policy(policy)).train()
+    module.configure_model()
+    opt, sched = step.optimizers_of(module)
+    vocab = module.adapter.head.weight.shape[0]
+    batch = (torch.randint(0, vocab, (2, 32)), torch.randint(0, vocab, (2, 32)))
+    counters.clear()
+    step.bare_step(module, [batch], opt, sched, precision_.plugin("32-true", "cpu"))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # memory_budget: torch's budget partitioner as a policy.
 # ----------------------------------------------------------------------------------------------------

@@ -114,8 +114,13 @@ class OpLevelSAC(Policy):
     recomputes = True
     Config = OpSacConfig
 
-    @functools.cached_property
-    def context_fn(self) -> Callable[[], Any]:
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__(cfg)
+        # Made here, not in a functools.cached_property: on Python 3.11 its first read takes an RLock, which dynamo
+        # cannot trace, so under trainer.compile=true each block's checkpoint broke the graph.
+        self.context_fn = self._contexts()
+
+    def _contexts(self) -> Callable[[], Any]:
         save = resolve_ops(self.cfg.save_ops)
 
         def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -280,17 +285,17 @@ class TorchtitanSAC(Policy):
     recomputes = True
     Config = TorchtitanSacConfig
 
-    @functools.cached_property
-    def save(self) -> frozenset[Any]:
-        return torchtitan_save_ops(self.cfg.version)
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__(cfg)
+        self.save = torchtitan_save_ops(self.cfg.version)
+        self.context_fn = self._contexts()  # made here: see OpLevelSAC.__init__
 
     @property
     def counted(self) -> tuple[Any, ...]:
         mm = torch.ops.aten.mm.default
         return (mm,) if self.cfg.version == "0.2" else (mm, torch.ops.aten.linear.default)
 
-    @functools.cached_property
-    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+    def _contexts(self) -> Callable[[], tuple[Any, Any]]:
         """A plain function, not a bound method: dynamo calls a checkpoint's context_fn unbound when it traces it
         (trainer.compile=true), so a method would lose its `self`."""
         save, counted, name = self.save, self.counted, self.name
