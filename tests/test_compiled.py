@@ -100,12 +100,8 @@ def test_the_compiled_step_is_counted_as_the_allocator_counts_it(
     with a second count taken by wrapping the CPU allocator itself, over the same step; and `none`'s compiled
     figures are not eager's (inductor keeps fewer, fused intermediates).
 
-    The estimator's compiled step (trainer.estimate.compiled: inductor's partitioning, graphs run op by op on fake
-    tensors) against the same run: the activation and whole-step peaks within 1 % except in GAPS, where a peak
-    inside a backward graph moves with inductor's fusion and ordering, which the estimate does not model. A gap
-    that closes, or a new one, fails here."""
-    from trainer.estimate import measure, open_session
-
+    The estimator's compiled step (trainer.estimate.compiled: inductor's own compilation, its generated code run on
+    fake tensors) against the same run: the activation and whole-step peaks to within 1 % (measured: to the byte)."""
     overrides = [*MODELS[family], *SHAPES, "trainer.compile=true"]
     compiled = _measured(overrides, policy, counter)
     assert compiled["activation"] == pytest.approx(compiled["counted_activation"], rel=0.01)
@@ -113,25 +109,35 @@ def test_the_compiled_step_is_counted_as_the_allocator_counts_it(
     if policy == "none":
         eager = _measured([*MODELS[family], *SHAPES], policy, None)
         assert compiled["activation"] < eager["activation"]
-    config = compose_config([*overrides, f"policy={policy}"])
+    est = _estimated([*overrides, f"policy={policy}"])
+    assert est.activation_bytes == pytest.approx(compiled["activation"], rel=0.01)
+    assert est.peak_bytes == pytest.approx(compiled["total"], rel=0.01)
+
+
+def _estimated(overrides: list[str]) -> Any:
+    from trainer.estimate import measure, open_session
+
+    config = compose_config(overrides)
     session = open_session(config, "cpu")
     try:
-        est = measure(session, build_policy(config.policy))
+        return measure(session, build_policy(config.policy))
     finally:
         session.close()
-    for figure, estimated in (("activation", est.activation_bytes), ("total", est.peak_bytes)):
-        error = estimated / compiled[figure] - 1
-        assert (abs(error) <= 0.01) == (figure not in GAPS.get((family, policy), ())), f"{figure} {error:+.2%}"
 
 
-# Measured on this torch (2.13), estimate ÷ run - 1: gpt full activation +15.5 %, whole step +7.1 %; llama full
-# activation -30.9 %, op_sac -8.0 %, selective -7.8 %. Every other figure here within 1 % (most to the byte).
-GAPS = {
-    ("gpt", "full"): ("activation", "total"),
-    ("llama", "full"): ("activation",),
-    ("llama", "op_sac"): ("activation",),
-    ("llama", "selective"): ("activation",),
-}
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["none", "full", "op_sac", "selective"])
+def test_a_hugging_face_family_compiled_is_estimated(policy: str, hf_models: dict[str, Any]) -> None:
+    """The compiled estimate on a Hugging Face family (GPT-2 through transformers' SDPA): within 1 % of the compiled
+    run (measured: to the byte). transformers builds an explicit attention mask while dynamo traces it (on fake
+    tensors, in a run too), and inductor saves the CPU generator's state for a recomputed SDPA kernel: both are in
+    the estimate. Not in it: on transformers 5.25 a checkpointed Llama layer breaks dynamo's graph, so its checkpoint
+    runs eagerly and keeps the CPU RNG state (5,056 B per region) without a dispatched op (docs/estimator.md)."""
+    overrides = ["model=hf", f"model.name_or_path={hf_models['gpt2']}", "data.tokenizer=model", *SHAPES]
+    compiled = _measured([*overrides, "trainer.compile=true"], policy, None)
+    est = _estimated([*overrides, "trainer.compile=true", f"policy={policy}"])
+    assert est.activation_bytes == pytest.approx(compiled["activation"], rel=0.01)
+    assert est.peak_bytes == pytest.approx(compiled["total"], rel=0.01)
 
 
 @pytest.mark.parametrize("policy", ["none", "full"])
@@ -246,8 +252,7 @@ def test_the_budget_reaches_the_partitioner_and_keeps_gradients_exact() -> None:
     half = _measured(overrides, {"name": "memory_budget", "budget": 0.5}, None)
     default = _measured(overrides, {"name": "memory_budget", "budget": 1.0}, None)
     assert half["activation"] < 0.8 * default["activation"]
-    # The estimator's compiled step runs the same partitioner at the same budget: it ranks the budgets as measured,
-    # and its whole-step peaks are near the run's (measured: +0.0 % at 1, +2.4 % at 0.5; activation +3.0 %, -10.4 %).
+    # The estimator's compiled step runs the same partitioner at the same budget: its figures are the run's.
     from trainer.estimate import measure, open_session
 
     session = open_session(compose_config(overrides), "cpu")
@@ -255,9 +260,9 @@ def test_the_budget_reaches_the_partitioner_and_keeps_gradients_exact() -> None:
         est = {b: measure(session, build_policy({"name": "memory_budget", "budget": b})) for b in (0.5, 1.0)}
     finally:
         session.close()
-    assert est[0.5].activation_bytes < 0.8 * est[1.0].activation_bytes
-    assert est[1.0].peak_bytes == pytest.approx(default["total"], rel=0.01)
-    assert est[0.5].peak_bytes == pytest.approx(half["total"], rel=0.05)
+    for budget, run in ((0.5, half), (1.0, default)):
+        assert est[budget].activation_bytes == pytest.approx(run["activation"], rel=0.01)
+        assert est[budget].peak_bytes == pytest.approx(run["total"], rel=0.01)
     config = compose_config([*MODELS["llama"], *SHAPES, "trainer.compile=true", "policy=memory_budget"])
     result = run_check(config, steps=1)
     assert result.equal, result.first_failure

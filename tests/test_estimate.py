@@ -485,7 +485,7 @@ def test_a_cuda_estimate_replays_the_caching_allocator() -> None:
 
 def test_a_compiled_configuration_says_what_its_compiled_estimate_approximates() -> None:
     """Under trainer.compile=true the estimate is the compiled step's (tests/test_compiled.py), and says what it
-    leaves out (inductor's fusion inside a graph); an FSDP2 configuration under compile is refused in one line."""
+    leaves out (memory a kernel takes inside itself); an FSDP2 configuration under compile is refused in one line."""
     from trainer.estimate.session import COMPILE_NOTE
 
     config = compose_config(["model=micro", "seq_len=16", "batch_size=2", "trainer.compile=true"])

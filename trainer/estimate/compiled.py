@@ -1,76 +1,193 @@
 """The estimator's compiled step (`trainer.compile=true`): the model compiled as a run compiles it, by dynamo and
-inductor's own `compile_fx` (its decompositions, joint-graph passes and min-cut partitioner, so the same tensors are
-saved for backward and the same ones recomputed), except that inductor generates no kernels: each forward and
-backward graph it would lower runs op by op on the fake tensors, through dispatch, where the live-tensor tracker and
-the op counter see every tensor the graphs make and free.
+inductor's own `compile_fx` and `compile_fx_inner` (decompositions, joint-graph passes, the min-cut partitioner,
+lowering, the scheduler's fusion and ordering, the wrapper's buffer reuse and frees), so the same tensors are saved
+for backward, the same ones recomputed, and the same buffers allocated and freed in the same order. One thing is not
+done: the C++ kernels inductor generated are not built. The generated wrapper runs on the fake tensors, its
+allocations dispatched (so the live-tensor tracker sees each buffer made and freed) and each fused kernel replaced by
+a `FusedKernel`, which computes nothing (fake tensors hold no data) and tells the op counter what the kernel reads
+and writes, once per kernel, for the step-time model.
 
-Why not inductor's kernels: they cannot run on fake tensors, and their buffers are allocated without dispatching
-(the run counts those with the allocator, trainer.measure.allocations). Why the tracker may sit on the stack at
-all: dynamo runs a frame eagerly under any dispatch mode (tests/test_compiled.py), except one that declares
-`ignore_compile_internals`, torch's way for a mode to see compiled code's ops; the two modes here do, and are used
-for nothing else.
+Why the tracker may sit on the stack at all: dynamo runs a frame eagerly under any dispatch mode
+(tests/test_compiled.py), except one that declares `ignore_compile_internals`, torch's way for a mode to see compiled
+code's ops; the two modes here do, and are used for nothing else.
 
-What is approximated: inside one graph, inductor's scheduler fuses pointwise chains into kernels, reorders nodes for
-peak memory and reuses buffers, so a fused kernel's intermediates never exist as tensors and lifetimes move; here
-each op's output is a tensor from its op to its last use, in the graph's order. The saved set (the partitioner's)
-is inductor's; a peak inside a backward graph can read above or below the run's (tests/test_compiled.py names
-where, measured).
+What is approximated: memory a kernel takes inside itself without the tensor allocator (a C++ kernel's local
+buffers; an extern kernel's own workspace, e.g. oneDNN's for a bf16 matmul on a CPU), which the allocator's count of a
+run sees. Lowering is for the fake tensors' device: a CUDA estimate translated from the CPU
+(`session.CudaKernelRules`) takes inductor's CPU lowering, whose fusion is close to but not Triton's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+import itertools
+import re
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+from unittest import mock
 
 import torch
 
 from trainer.measure.memory import LiveTensorTracker
-from trainer.measure.steptime import OpTrace
+from trainer.measure.steptime import OpKey, OpTrace
 
 
 class GraphTracker(LiveTensorTracker):
-    """The live-tensor tracker for the estimator's compiled step: dynamo runs the compiled graphs under it."""
+    """The live-tensor tracker for the estimator's compiled step: dynamo runs the compiled graphs under it. A
+    higher-order op of the generated code (a recomputed random op run with its saved RNG state) passes through its
+    dispatch whole: what it returns is counted."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+
+# The higher-order ops inductor's generated code calls around one op (a random op recomputed in backward: its forward
+# saves the generator state, its recompute restores it): where that op and its arguments are.
+_AROUND_ONE_OP = {"run_and_save_rng_state": 0, "run_with_rng_state": 1, "graphsafe_run_with_rng_state": 0}
 
 
 class GraphOpTrace(OpTrace):
-    """The op counter for the estimator's compiled step: the graphs' ops, the partitioner's recompute included."""
+    """The op counter for the estimator's compiled step: the graphs' extern and fallback ops as dispatched, and each
+    fused kernel as one op (`FusedKernel` reports to the innermost counter entered)."""
+
+    entered: ClassVar[list[GraphOpTrace]] = []
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not isinstance(func, torch._ops.HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        at = _AROUND_ONE_OP.get(func.name())
+        if at is None:
+            raise NotImplementedError(f"the compiled estimate does not count higher-order op {func.name()}")
+        self.count(args[at], args[at + 1 :], kwargs, out[1] if func.name() == "run_and_save_rng_state" else out)
+        return out
 
-def run_op_by_op(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], is_inference: bool = False, **_: Any
-) -> Callable[[list[Any]], Any]:
-    """compile_fx's inner compiler, in place of inductor's code generation: inductor's post-grad passes as its
-    inner compiler applies them (torch._inductor.compile_fx.fx_codegen_and_compile), then the graph run by
-    torch.fx's Interpreter, boxed (it takes the argument list and empties it, so an input is freed at its last use,
-    as inductor's generated code frees it) and freeing each value after its last use."""
-    from torch._inductor import compile_fx as cfx
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-    from torch._inductor.virtualized import V
+    def __enter__(self) -> GraphOpTrace:
+        GraphOpTrace.entered.append(self)
+        return super().__enter__()  # type: ignore[return-value]
 
-    view_to_reshape(gm)
-    with torch.no_grad():
-        fake_mode = cfx.fake_tensor_prop(gm, example_inputs)
-    with V.set_fake_mode(fake_mode):
-        cfx._recursive_post_grad_passes(gm, is_inference=is_inference)
+    def __exit__(self, *exc: Any) -> None:
+        GraphOpTrace.entered.remove(self)
+        super().__exit__(*exc)
 
-    def run(args: list[Any]) -> Any:
-        return torch.fx.Interpreter(gm).boxed_run(args)
+    def kernel(self, key: OpKey) -> None:
+        self.work.ops[key] += 1
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+
+# A kernel whose loop evaluates these runs below the streaming rate (steptime's `math` kind, as its eager ops).
+_MATH = re.compile(r"\b(exp|exp2|expm1|log|log1p|tanh|erf|erfc|sigmoid|sin|cos|sqrt|rsqrt|pow|reciprocal)\b")
+_ARGUMENT = re.compile(r"(const\s+)?[\w:<>]+\s*\*\s*(\w+)")
+
+
+class FusedKernel:
+    """A C++ kernel inductor generated, not built. Called with the wrapper's buffers, it reports the bytes it would
+    move to the op counter in force: each tensor it reads (`in_ptr`) and writes (`out_ptr`) once, one it updates in
+    place (`in_out_ptr`) twice. Its kind is `math` when its loop evaluates a transcendental function, else `memory`."""
+
+    def __init__(self, source: str) -> None:
+        start = source.find("kernel(")
+        end = source.find(")", start)
+        # per tensor argument, in order: how many times its bytes move (scalars such as sizes are not pointers)
+        self.passes = [
+            2 if name.startswith("in_out_ptr") else 1 for _const, name in _ARGUMENT.findall(source[start:end])
+        ]
+        self.kind = "math" if _MATH.search(source[end:]) else "memory"
+
+    def __call__(self, *args: Any) -> None:
+        if not GraphOpTrace.entered:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        nbytes = sum(n * t.numel() * t.element_size() for n, t in zip(self.passes, tensors, strict=False))
+        GraphOpTrace.entered[-1].kernel(OpKey(self.kind, "", 0, nbytes))
+
+
+def _empty_strided(device: str) -> Any:
+    def empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return empty
+
+
+def _reinterpret_tensor(t: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int = 0) -> torch.Tensor:
+    return torch.as_strided(t, size, stride, t.storage_offset() + offset)
+
+
+# The wrapper's allocation helpers, dispatched: inductor's own make tensors in C++ without the dispatcher, so on fake
+# tensors they would allocate real memory and no mode would see it.
+_DISPATCHED = {
+    "empty_strided_cpu": _empty_strided("cpu"),
+    "empty_strided_cpu_pinned": _empty_strided("cpu"),
+    "empty_strided_cuda": _empty_strided("cuda"),
+    "reinterpret_tensor": _reinterpret_tensor,
+}
+_serial = itertools.count()
+
+
+def _load_on_fakes(graph: Any, wrapper_code: Any) -> types.ModuleType:
+    """GraphLowering._compile_to_module_lines in place of inductor's: the wrapper's source executed as a module of
+    its own (never through PyCodeCache, whose loaded modules a real compile of the same source would reuse), its
+    kernels `FusedKernel`s, its allocation helpers dispatched."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    name = f"ckptlab_fake_graph_{next(_serial)}"
+    module = types.ModuleType(name)
+    module.__file__ = f"<{name}>"
+    with (
+        mock.patch.object(AsyncCompile, "cpp_pybinding", lambda _self, _argtypes, source: FusedKernel(source)),
+        mock.patch.object(AsyncCompile, "cpp", lambda _self, source: FusedKernel(source)),
+    ):
+        exec(compile(wrapper_code.value, module.__file__, "exec"), module.__dict__)
+    module.__dict__.update(_DISPATCHED)
+    for key, value in {**graph.constants, **graph.torchbind_constants}.items():
+        setattr(module, key, value)
+    graph.cache_key, graph.cache_path, graph.cache_linemap = name, None, []
+    return module
+
+
+def _run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """run_and_save_rng_state on fake tensors (a recomputed random op's forward saves the generator's state, which
+    its recompute restores): the state as the CPU kernel makes it, a byte tensor of the CPU generator's size, but
+    fake. torch's own fake rule returns the real generator state, which the recompute's fake kernel then refuses."""
+    return torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8), op(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_compiled_runtime() -> Iterator[None]:
+    """What compiling on fake tensors and running the result needs: torch's compile caches neither read nor written
+    (a cached graph would skip the code generation replaced here and bring real kernels to fake tensors; a graph
+    compiled here must never be a run's), and a fake rule for the saved RNG state of a recomputed random op."""
+    from torch._higher_order_ops.utils import registered_hop_fake_fns
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    with (
+        torch.compiler.config.patch(force_disable_caches=True),
+        mock.patch.dict(registered_hop_fake_fns, {run_and_save_rng_state: _run_and_save_rng_state}),
+    ):
+        yield
+
+
+def run_generated_code(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """compile_fx's inner compiler: inductor's own (`compile_fx_inner`), its generated module loaded on fakes."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+
+    with fake_compiled_runtime(), mock.patch.object(GraphLowering, "_compile_to_module_lines", _load_on_fakes):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def compile_model(model: torch.nn.Module, backend: Any) -> None:
     """model.compile as DecoderModule.configure_model compiles it, with `backend` (the policy's, given
-    `run_op_by_op`). Dynamo's caches are emptied first: a session measures one policy after another on the same
+    `run_generated_code`). Dynamo's caches are emptied first: a session measures one policy after another on the same
     module, whose code objects would otherwise pile up guards until dynamo's recompile limit silently ran a frame
     eagerly."""
     import torch._dynamo

@@ -230,12 +230,14 @@ class Session:
 @contextlib.contextmanager
 def _real_semantics(config: Config) -> Iterator[None]:
     """Rules for fake tensors that differ from the real run: CPU kernels whose fake output torch gets wrong (the MoE
-    grouped matmul: trainer/measure/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors)."""
+    grouped matmul: trainer/measure/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors). Not the
+    library's under trainer.compile=true: a compiled run's model code runs while dynamo traces it, on fake tensors
+    too, so it takes the path fake tensors take (transformers builds its explicit attention mask there)."""
     from trainer.measure.fake_kernels import cpu_kernel_rules
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cpu_kernel_rules())
-        if config.model.family == "hf":
+        if config.model.family == "hf" and not config.trainer.compile:
             from models.hf import as_on_real_tensors
 
             stack.enter_context(as_on_real_tensors())
@@ -453,9 +455,9 @@ def _collectives(session: Session) -> Collectives:
 
 
 COMPILE_NOTE = (
-    "trainer.compile=true: the compiled step, partitioned by inductor's own compile_fx (what is saved for backward "
-    "and what is recomputed are its choices), each graph run op by op (inductor's fusion inside a graph not modeled: "
-    "a fused kernel's intermediates count as tensors); no per-layer breakdown; times cost the graphs' ops unfused"
+    "trainer.compile=true: the compiled step as inductor compiles it (its partitioner, fusion and buffer reuse), its "
+    "generated code run on fake tensors with each fused kernel costed once by the bytes it reads and writes; not "
+    "counted: memory a kernel takes inside itself (a CPU bf16 matmul's oneDNN workspace); no per-layer breakdown"
 )
 
 
@@ -520,7 +522,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         module.loss_config = loss
     session.host = HostLedger()
     try:
-        with session.active():
+        with session.active(), contextlib.ExitStack() as stack:
             apply_policy(module.model, policy)
             if session.world > 1:
                 explain_group_stand_ins(module.model)  # sharded as a run shards: torch's view warning, explained
@@ -528,7 +530,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
             if compiled:
                 from trainer.estimate import compiled as compiled_
 
-                compiled_.compile_model(module.model, policy.compile_backend(compiled_.run_op_by_op))
+                stack.enter_context(compiled_.fake_compiled_runtime())
+                compiled_.compile_model(module.model, policy.compile_backend(compiled_.run_generated_code))
                 session.step()  # compiles: the metered step runs compiled code, as a run's steps after its first
                 # No regions: the layers' hooks would be traced into the graphs (and break them), unlike the run's.
                 meter = step_.StepMeter(device_type=None, tracker=compiled_.GraphTracker)

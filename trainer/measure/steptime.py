@@ -252,11 +252,15 @@ class OpTrace(FlopTally):
         out = func(*args, **kwargs)
         if getattr(func, "namespace", "") == "prim":  # metadata queries (fake tensors ask prim.device), not ops run
             return out
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """One op run: its FLOPs (torch's count) and its kind, FLOPs and bytes for the time model."""
         formula = _fc.flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         self.total += flops  # the FLOPs figures keep torch's convention (causal attention counted whole)
         self.work.ops[classify(func, args, kwargs, out, int(flops * causal_share(func, args, kwargs)))] += 1
-        return out
 
 
 def trace(fn: Callable[[], Any]) -> tuple[Any, Work]:
