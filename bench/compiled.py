@@ -37,6 +37,7 @@ from trainer.core import step as step_
 from trainer.core.schema import compose_config, describe_user_error
 from trainer.errors import UserError
 from trainer.formatting import MIB
+from trainer.policies import build_policy
 
 START, END = "<!-- compiled-table:start -->", "<!-- compiled-table:end -->"
 HEADING = "## Measured: compiled against eager, and torch's budget partitioner"
@@ -55,6 +56,10 @@ class Row:
     activation: int = 0
     total: int = 0
     times: list[float] = field(default_factory=list)
+    # the estimator's figures for the same configuration (fake tensors): activation and whole-step peaks, step ms
+    est_activation: int = 0
+    est_total: int = 0
+    est_ms: float = 0.0
 
     @property
     def ms(self) -> float:
@@ -80,6 +85,24 @@ def _prepare(row: Row, overrides: Sequence[str]) -> None:
     row.activation, row.total = figures.activation_bytes, figures.total_bytes
 
 
+def _estimate(rows: Sequence[Row], overrides: Sequence[str]) -> None:
+    """Each row as the estimator sees it, before anything is measured: one fake session per eager/compiled, each
+    row's policy measured on it, the step time predicted for this CPU at this thread count (calibrated once)."""
+    from trainer.estimate import measure, open_session
+    from trainer.measure.steptime import cpu_speed
+
+    speed = cpu_speed()
+    for compiled in (False, True):
+        session = open_session(compose_config([*overrides, f"trainer.compile={str(compiled).lower()}"]), "cpu")
+        try:
+            for row in (r for r in rows if r.compiled == compiled):
+                est = measure(session, build_policy(row.policy))
+                row.est_activation, row.est_total = est.activation_bytes, est.peak_bytes
+                row.est_ms = est.step_time(speed).ms
+        finally:
+            session.close()
+
+
 def _step(row: Row) -> None:
     batches, opt, sched, plugin, clip = row.parts
     step_.bare_step(row.module, batches, opt, sched, plugin, clip)
@@ -100,6 +123,10 @@ def run(
     rows += [Row(f"memory_budget {b:g}", {"name": "memory_budget", "budget": b}, True) for b in budgets]
     # Every variant is a module of the same classes: past dynamo's recompile limit a frame would run eagerly.
     with dynamo_config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
+        try:
+            _estimate(rows, base)
+        except UserError as e:
+            raise BenchError(f"estimate: {describe_user_error(e)}") from None
         for row in rows:
             try:
                 _prepare(row, base)
@@ -137,6 +164,7 @@ def table(out: dict[str, Any]) -> str:
             f"| {e.ms:,.0f} ±{100 * spread(e.times):.0f}% | {c.ms:,.0f} ±{100 * spread(c.times):.0f}% "
             f"| {c.ms / e.ms:.2f} |"
         )
+    lines += ["", *_predicted(out)]
     uniform = [rows[f"{p} compiled"] for p in out["policies"]]
     lines += [
         "",
@@ -160,6 +188,38 @@ def table(out: dict[str, Any]) -> str:
             f"| {r.ms:,.0f} ±{100 * spread(r.times):.0f}% | {them} |"
         )
     return "\n".join(lines)
+
+
+def _predicted(out: dict[str, Any]) -> list[str]:
+    """The estimator beside the measurement: each step's predicted time and its error, the compiled step's estimated
+    whole-step peak and its error, compiled ÷ eager predicted and measured, and the rankings by time."""
+    rows: dict[str, Row] = {r.label: r for r in out["rows"]}
+
+    def err(predicted: float, measured: float) -> str:
+        return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "—"
+
+    lines = [
+        "| policy | eager ms: predicted (error) | compiled ms: predicted (error) | compiled ÷ eager: predicted "
+        "| measured | compiled peak MiB: estimated (error) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in out["policies"]:
+        e, c = rows[f"{p} eager"], rows[f"{p} compiled"]
+        lines.append(
+            f"| `{p}` | {e.est_ms:,.0f} ({err(e.est_ms, e.ms)}) | {c.est_ms:,.0f} ({err(c.est_ms, c.ms)}) "
+            f"| {c.est_ms / e.est_ms:.2f} | {c.ms / e.ms:.2f} | {c.est_total / MIB:.2f} ({err(c.est_total, c.total)}) |"
+        )
+    for mode in ("eager", "compiled"):
+        ranked = [rows[f"{p} {mode}"] for p in out["policies"]]
+        by = {
+            k: " < ".join(f"`{r.label.split()[0]}`" for r in sorted(ranked, key=key))
+            for k, key in (("predicted", lambda r: r.est_ms), ("measured", lambda r: r.ms))
+        }
+        same = "the same order" if by["predicted"] == by["measured"] else "not the same order"
+        lines.append(
+            f"\n{mode.capitalize()}, fastest first: predicted {by['predicted']}; measured {by['measured']} ({same})."
+        )
+    return lines
 
 
 def header(outs: Sequence[dict[str, Any]], command: str) -> str:

@@ -100,7 +100,7 @@ def test_the_compiled_step_is_counted_as_the_allocator_counts_it(
     with a second count taken by wrapping the CPU allocator itself, over the same step; and `none`'s compiled
     figures are not eager's (inductor keeps fewer, fused intermediates).
 
-    The estimator's compiled step (trainer.estimate.compiled: inductor's own compilation, its generated code run on
+    The estimator's compiled step (trainer.measure.fake_compile: inductor's own compilation, its generated code run on
     fake tensors) against the same run: the activation and whole-step peaks to within 1 % (measured: to the byte)."""
     overrides = [*MODELS[family], *SHAPES, "trainer.compile=true"]
     compiled = _measured(overrides, policy, counter)
@@ -266,3 +266,56 @@ def test_the_budget_reaches_the_partitioner_and_keeps_gradients_exact() -> None:
     config = compose_config([*MODELS["llama"], *SHAPES, "trainer.compile=true", "policy=memory_budget"])
     result = run_check(config, steps=1)
     assert result.equal, result.first_failure
+
+
+# ----------------------------------------------------------------------------------------------------
+# The compiled step's ops for the step-time model: a fused kernel's bytes once, and as a CPU's loops move them.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _compiled_work(fn: Any, *shapes: tuple[int, ...]) -> Any:
+    """`fn` compiled by inductor on fake tensors as the estimator compiles (its generated code run, the kernels
+    stand-ins), then run once under the op counter: its Work."""
+    import functools
+
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.measure.fake_compile import GraphOpTrace, fake_compiled_runtime, run_generated_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=functools.partial(compile_fx, inner_compile=run_generated_code))
+    with fake_compiled_runtime(), FakeTensorMode():
+        args = [torch.empty(s) for s in shapes]
+        compiled(*args)  # compiles
+        with GraphOpTrace() as counter:
+            compiled(*args)
+    torch._dynamo.reset()
+    return counter.work
+
+
+def test_a_fused_kernel_is_costed_once_by_the_bytes_it_reads_and_writes() -> None:
+    """A pointwise chain inductor fuses into one kernel moves its input once and its output once, where its eager
+    ops would move every intermediate; its transcendental math makes it a `math` op."""
+    work = _compiled_work(lambda x: (x.sin() * x.cos()).exp(), (256, 1024))
+    (key,) = [k for k in work.ops if k.kind != "free"]
+    assert work.ops[key] == 1
+    assert key.kind == "math" and key.nbytes == 2 * 256 * 1024 * 4
+
+
+def test_a_cpu_kernels_loops_pass_over_a_row_in_cache_once_and_over_memory_each_time() -> None:
+    """On a CPU a reduction's loops each pass over their input. A softmax over rows of 1,024 floats (4 KiB, which
+    stays in cache between the row's passes) costs about its bytes once: the input, the output and the per-row max
+    and sum inductor writes. Over one row of 512 Ki floats (2 MiB, more than CACHE_BYTES) each pass goes to memory:
+    the max, the exponentials (written, then normalised in place), their sum."""
+    from trainer.measure.fake_compile import CACHE_BYTES
+
+    rows = _compiled_work(lambda x: torch.softmax(x, -1), (256, 1024))
+    (key,) = [k for k in rows.ops if k.kind != "free"]
+    assert key.nbytes == 2 * 256 * 1024 * 4 + 2 * 256 * 4
+    assert key.cpu_nbytes == pytest.approx(key.nbytes, rel=0.01)
+    n = 512 * 1024
+    assert n * 4 > CACHE_BYTES
+    long = _compiled_work(lambda x: torch.softmax(x, -1), (1, n))
+    (key,) = [k for k in long.ops if k.kind != "free"]
+    assert key.cpu_nbytes >= 1.5 * key.nbytes

@@ -27,10 +27,10 @@ def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
 def test_each_op_is_classified_with_its_flops_and_bytes() -> None:
     a, b = torch.ones(8, 16), torch.ones(16, 4)
     work = _trace(lambda: a @ b)
-    assert work.ops == {("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
+    assert work.ops == {OpKey("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
     x = torch.ones(1024)
-    assert _trace(lambda: x * x).ops == {("memory", "", 0, 2 * 1024 * 4): 1}  # x read once, the product written
-    assert set(_trace(lambda: x.view(32, 32)).ops) == {("free", "", 0, 0)}
+    assert _trace(lambda: x * x).ops == {OpKey("memory", "", 0, 2 * 1024 * 4): 1}  # x read once, the product written
+    assert set(_trace(lambda: x.view(32, 32)).ops) == {OpKey("free", "", 0, 0)}
     assert {k[0] for k in _trace(lambda: torch.nn.functional.gelu(x)).ops} == {"math"}
     assert {k[0] for k in _trace(lambda: torch.nn.functional.dropout(x, 0.5, training=True)).ops} >= {"random"}
     bf = torch.ones(8, 16, dtype=torch.bfloat16)
@@ -81,6 +81,15 @@ def test_the_roofline_arithmetic() -> None:
     assert _speed(True).predict(work).exposed_copy_ms == pytest.approx(2.0)
     work.prefetch = False
     assert _speed(True).predict(work).ms == pytest.approx(16.0)
+
+
+def test_a_fused_kernel_is_costed_by_its_loops_on_a_cpu_and_by_its_bytes_once_on_a_gpu() -> None:
+    """A compiled step's fused kernel carries two byte counts (trainer.measure.fake_compile.FusedKernel): what its
+    C++ loops move, which a CPU runs, and its tensors once, which a GPU's fused kernel moves."""
+    work = Work()
+    work.ops[OpKey("memory", "", 0, 1_000_000, 3_000_000)] = 1
+    assert _speed(False).predict(work).memory_ms == pytest.approx(3.0)
+    assert _speed(True).predict(work).memory_ms == pytest.approx(1.0)
 
 
 def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_exposed() -> None:

@@ -241,7 +241,7 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
     # the compiled run's memory is what its compiled step allocated (the tracker would have run it eagerly), said so
     assert a["memory_counted_by"] == metrics.COUNTED_LIVE_TENSORS
     assert b["memory_counted_by"] == metrics.COUNTED_ALLOCATOR and b["activation_peak_mib"] > 0
-    # and the run predicted its compiled step (trainer.estimate.compiled), the errors beside what it measured: within
+    # and the run predicted its compiled step (trainer.measure.fake_compile), the errors beside what it measured: within
     # 1 % in fp32 (tests/test_compiled.py: to the byte); in bf16 on a CPU a matmul's oneDNN workspace, which only the
     # allocator sees, can set the peak (measured: -4.8 % on micro under full)
     assert b.get(metrics.PREDICTION_NOTE) is None, b.get(metrics.PREDICTION_NOTE)

@@ -528,7 +528,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
                 explain_group_stand_ins(module.model)  # sharded as a run shards: torch's view warning, explained
             plan = module.model.activation_plan
             if compiled:
-                from trainer.estimate import compiled as compiled_
+                from trainer.measure import fake_compile as compiled_
 
                 stack.enter_context(compiled_.fake_compiled_runtime())
                 compiled_.compile_model(module.model, policy.compile_backend(compiled_.run_generated_code))

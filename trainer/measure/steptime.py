@@ -59,6 +59,9 @@ class OpKey(NamedTuple):
     dtype: str  # the matmul's operand dtype (fp32, bf16, ...); "" for the other kinds
     flops: int
     nbytes: int  # bytes read and written
+    # A compiled step's fused CPU kernel: the bytes its C++ loops move (a reduction's loops each pass over their
+    # input: trainer.measure.fake_compile), which a CPU's time is costed by; 0: as `nbytes`
+    cpu_nbytes: int = 0
 
 
 _FREE_OPS = frozenset(
@@ -332,9 +335,11 @@ class Speed:
 
     def predict(self, work: Work) -> StepTime:
         mm = mem = 0.0
-        for (kind, dtype, flops, nbytes), n in work.ops.items():
+        for (kind, dtype, flops, nbytes, cpu_nbytes), n in work.ops.items():
             if kind == "free":
                 continue
+            if cpu_nbytes and not self.overlapped:  # a CPU runs the loops inductor generated for it
+                nbytes = cpu_nbytes
             curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
             t_bytes = nbytes / _rate(curve, nbytes) if nbytes else 0.0
             if kind == "matmul":
