@@ -57,7 +57,7 @@ from trainer.core.module import param_groups
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB, mib
 from trainer.loss import LossConfig
-from trainer.measure.steptime import speed_here
+from trainer.measure.speeds import speed_here
 from trainer.planner import (
     PeakModel,
     choose,

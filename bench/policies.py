@@ -86,7 +86,7 @@ from bench.policies_report import ACCURACY_END, ACCURACY_START, accuracy, report
 from trainer.core.schema import Config, ModelConfig, describe_user_error
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
-from trainer.measure.steptime import speed_here
+from trainer.measure.speeds import speed_here
 from trainer.planner import PeakModel
 from trainer.policies import Policy, policy_params
 

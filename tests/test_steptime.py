@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.errors import ConfigError
-from trainer.measure import steptime
+from trainer.measure import speeds, steptime
 from trainer.measure.gpus import Gpu, load_catalogue
 from trainer.measure.steptime import OpKey, OpTrace, Speed, Work
 
@@ -162,29 +162,29 @@ def test_a_catalogue_gpu_states_its_assumptions() -> None:
     assert "collectives not costed" in steptime.gpu_speed(Gpu("bare", 2**30, 1e12, {"bf16": 1.0})).describe()
     with pytest.raises(ValueError, match="needs tflops and bandwidth"):
         steptime.gpu_speed(Gpu("bare", 2**30))
-    assert steptime.speed_for("cuda").name == steptime.REFERENCE_GPU
-    assert steptime.speed_for("cuda", "l4-24gb").name == "L4-24GB"
+    assert speeds.speed_for("cuda").name == speeds.REFERENCE_GPU
+    assert speeds.speed_for("cuda", "l4-24gb").name == "L4-24GB"
     with pytest.raises(ConfigError, match="not in the GPU catalogue; choose from"):
-        steptime.speed_for("cuda", "Z9000")
+        speeds.speed_for("cuda", "Z9000")
     with pytest.raises(ConfigError, match="--gpu bare: the catalogue entry needs tflops and bandwidth"):
-        steptime.speed_for("cuda", Gpu("bare", 2**30))
+        speeds.speed_for("cuda", Gpu("bare", 2**30))
 
 
 def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(steptime, "_CPU", {})
-    speed = steptime.cpu_speed()
+    monkeypatch.setattr(speeds, "_CPU", {})
+    speed = speeds.cpu_speed()
     files = list((tmp_path / "ckptlab").glob("cpu-speed-*.json"))
     assert len(files) == 1 and "measured now" in speed.describe()
     doc = json.loads(files[0].read_text())
     assert doc["threads"] == torch.get_num_threads() and set(doc["matmul"]) == {"fp32", "bf16"}
     assert set(doc["bandwidth"]) == {"memory", "math", "random"} and doc["op_s"] > 0 and doc["sac_s"] > 0
-    monkeypatch.setattr(steptime, "_CPU", {})
-    again = steptime.cpu_speed()
+    monkeypatch.setattr(speeds, "_CPU", {})
+    again = speeds.cpu_speed()
     assert "(cached)" in again.describe() and again.matmul == speed.matmul
     files[0].write_text(json.dumps({**doc, "matmul": None}))  # edited by hand: measured anew, not a traceback
-    monkeypatch.setattr(steptime, "_CPU", {})
-    assert "measured now" in steptime.cpu_speed().describe()
+    monkeypatch.setattr(speeds, "_CPU", {})
+    assert "measured now" in speeds.cpu_speed().describe()
     assert json.loads(files[0].read_text())["matmul"] is not None
 
 

@@ -21,15 +21,8 @@ from trainer.estimate.session import Estimate, Session, estimate_device, group_l
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
-from trainer.measure.steptime import (
-    GPU_BANDWIDTH_EFFICIENCY,
-    GPU_MATMUL_EFFICIENCY,
-    REFERENCE_GPU,
-    Speed,
-    StepTime,
-    gpu_speed,
-    speed_for,
-)
+from trainer.measure.speeds import REFERENCE_GPU, speed_for
+from trainer.measure.steptime import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
 from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks

@@ -24,7 +24,7 @@ def plan_module(
     config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str, speed: Speed | None = None
 ) -> PlanResult:
     """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping; on
-    fake tensors its times are predicted for `speed` (default: trainer.measure.steptime.speed_for the device)."""
+    fake tensors its times are predicted for `speed` (default: trainer.measure.speeds.speed_for the device)."""
     policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
         module.model,

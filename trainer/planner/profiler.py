@@ -36,7 +36,8 @@ from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.core.step import optimizer_phase
 from trainer.measure.memory import LiveTensorTracker
-from trainer.measure.steptime import Speed, speed_for, trace
+from trainer.measure.speeds import speed_for
+from trainer.measure.steptime import Speed, trace
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 
