@@ -24,13 +24,18 @@ def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
     return t.work
 
 
+def _unsigned(work: Work) -> dict[OpKey, int]:
+    """The ops without their signatures (what the roofline prices)."""
+    return {k._replace(signature=""): n for k, n in work.ops.items()}
+
+
 def test_each_op_is_classified_with_its_flops_and_bytes() -> None:
     a, b = torch.ones(8, 16), torch.ones(16, 4)
     work = _trace(lambda: a @ b)
-    assert work.ops == {OpKey("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
+    assert _unsigned(work) == {OpKey("matmul", "fp32", 2 * 8 * 16 * 4, (8 * 16 + 16 * 4 + 8 * 4) * 4): 1}
     x = torch.ones(1024)
-    assert _trace(lambda: x * x).ops == {OpKey("memory", "", 0, 2 * 1024 * 4): 1}  # x read once, the product written
-    assert set(_trace(lambda: x.view(32, 32)).ops) == {OpKey("free", "", 0, 0)}
+    assert _unsigned(_trace(lambda: x * x)) == {OpKey("memory", "", 0, 2 * 1024 * 4): 1}  # x read once, written once
+    assert set(_trace(lambda: x.view(32, 32)).ops) == {OpKey("free", "", 0, 0)}  # a view: nothing to replay
     assert {k[0] for k in _trace(lambda: torch.nn.functional.gelu(x)).ops} == {"math"}
     assert {k[0] for k in _trace(lambda: torch.nn.functional.dropout(x, 0.5, training=True)).ops} >= {"random"}
     bf = torch.ones(8, 16, dtype=torch.bfloat16)
@@ -269,3 +274,31 @@ def test_bytes_moved_count_each_input_once_gathers_by_row_and_in_place_writes() 
     assert moved(lambda: torch.nn.functional.nll_loss(logp, target)) == 64 * (f32 + i64) + 2 * f32
     params, grads = [torch.randn(100) for _ in range(3)], [torch.randn(100) for _ in range(3)]
     assert moved(lambda: torch._foreach_add_(params, grads)) == 3 * 100 * f32 * 3  # two lists read, one written
+
+
+def test_a_cpu_times_each_op_at_its_shapes_once_and_keeps_it(tmp_path: Path) -> None:
+    """trainer.measure.speeds.OpClock: an op traced on fake tensors is replayed once on real ones of its dtypes,
+    shapes and strides, the RNG left as it was (a replayed dropout draws nothing the run would draw); the time is kept
+    on disk and read back by the next clock; an op too large to time, or one that reads a value back, is priced by
+    the roofline instead (None)."""
+    from trainer.measure.replay import recipe
+    from trainer.measure.speeds import OpClock
+
+    with FakeTensorMode():
+        work = _trace(lambda: torch.ones(256, 512).bernoulli_(0.5) @ torch.ones(512, 128).t().contiguous().t())
+    signed = [k for k in work.ops if k.signature]
+    assert {k.kind for k in signed} >= {"random", "matmul"}  # and the fills torch.ones runs
+    (mm,) = [k for k in signed if k.kind == "matmul"]
+    assert mm.signature == "aten.mm.default(float32[256, 512][512, 1], float32[512, 128][1, 512])"
+    path = tmp_path / "ops.json"
+    clock = OpClock(path)
+    rng = torch.get_rng_state()
+    with FakeTensorMode():  # as the planner predicts, inside the estimator's fake session
+        times = {k.signature: clock(k.signature, 0.0) for k in signed}
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(t is not None and t > 0 for t in times.values())
+    clock.flush()
+    assert OpClock(path).times == times and OpClock(path, fresh=True).times == {}
+    assert clock("not traced", 0.0) is None
+    assert OpClock(tmp_path / "other.json")(mm.signature, OpClock.MAX_S * 2) is None  # too long to time
+    assert recipe(torch.ops.aten._local_scalar_dense.default, (torch.ones(()),), {}) is None

@@ -25,6 +25,7 @@ from trainer.errors import ConfigError
 from trainer.formatting import flops_text
 from trainer.measure.flops import count_sac_decision
 from trainer.measure.gpus import Gpu, find_gpu, match_device
+from trainer.measure.replay import RECIPES, Recipe
 from trainer.measure.steptime import KINDS, OpTrace, RateCurve, Speed, gpu_speed
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,77 @@ def _cache_path(key: str) -> Path:
     return root / "ckptlab" / f"cpu-speed-{key}.json"
 
 
-def _speed_from(doc: dict[str, Any], source: str) -> Speed:
+class OpClock:
+    """This CPU's own time for each op a predicted step runs, by signature (trainer.measure.replay): the op replayed
+    on real tensors of its dtypes, shapes and strides, after a warm-up, the median of a few runs cycled over enough
+    copies of its operands that they come from memory (as a step's do), less the cost of calling an op from Python
+    (the step-time model counts that apart, per op launched). Measured once per signature and kept on disk beside the
+    calibration. Why replayed rather than priced: a CPU runs some kernels far off the calibrated rates at some shapes
+    (a batched product with a small inner dimension, a broadcast masked_fill, a softmax over short rows, a single
+    thread), where a roofline's guess is off by several times. Not replayed: an op whose roofline time is over
+    MAX_S or whose operands hold over MAX_BYTES (a large model's ops stay priced); the RNG is left as it was."""
+
+    MAX_S = 0.05
+    MAX_BYTES = 256 * 2**20
+    COLD_BYTES = 64 * 2**20
+
+    def __init__(self, path: Path | None, fresh: bool = False) -> None:
+        self.path = path
+        self.times: dict[str, float | None] = {} if fresh or path is None else self._read()
+        self.new: dict[str, float | None] = {}
+        self._call_s: float | None = None
+
+    def _read(self) -> dict[str, float | None]:
+        try:
+            doc = json.loads(self.path.read_text()) if self.path is not None and self.path.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in doc.items() if v is None or isinstance(v, float)} if isinstance(doc, dict) else {}
+
+    def __call__(self, signature: str, roofline_s: float) -> float | None:
+        if signature in self.times:
+            return self.times[signature]
+        how = RECIPES.get(signature)
+        if how is None or roofline_s > self.MAX_S or how.nbytes > self.MAX_BYTES:
+            return None
+        self.times[signature] = self.new[signature] = t = self._time(how)
+        return t
+
+    def _time(self, how: Recipe) -> float | None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with unset_fake_temporarily(), _disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                if self._call_s is None:
+                    one = torch.ones(1)
+                    self._call_s = _median_s(lambda: torch.ops.aten.add.Tensor(one, one), 50, 5)
+                copies = max(1, min(8, self.COLD_BYTES // max(how.nbytes, 1)))
+                runs = [how.build() for _ in range(copies)]
+                first = _median_s(runs[0], 1, 1)
+                reps = max(3, min(15, int(0.02 / max(first, 1e-6))))
+                it = iter(range(10**9))
+                t = _median_s(lambda: runs[next(it) % copies](), reps, warmup=copies)
+            except Exception:  # an op that does not run on made-up operands is priced by the roofline instead
+                return None
+        return max(t - self._call_s, t / 2)
+
+    def flush(self) -> None:
+        """Keep what was measured since the last flush (merged with what another process wrote meanwhile)."""
+        if not self.new or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._read(), **self.new}
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # not writable: measured again next time
+        self.new = {}
+
+
+def _speed_from(doc: dict[str, Any], source: str, clock: OpClock | None = None) -> Speed:
     mem = doc["bandwidth"]["memory"][-2]
     return Speed(
         name=doc["name"],
@@ -194,7 +265,10 @@ def _speed_from(doc: dict[str, Any], source: str) -> Speed:
             f"{mem[1] / 1e9:.1f} GB/s at {mem[0] / 2**20:.0f} MiB (cold)",
             f"{doc['op_s'] * 1e6:.1f} µs per op launched, {doc['sac_s'] * 1e6:.1f} µs per SAC decision, "
             f"{doc['threads']} thread(s), one op after another",
+            "each op the step runs timed once on this CPU at its shapes (cached), the rates above for the rest "
+            f"(ops over {OpClock.MAX_S * 1e3:g} ms or {OpClock.MAX_BYTES // 2**20} MiB, compiled kernels)",
         ),
+        op_clock=clock,
     )
 
 
@@ -252,7 +326,7 @@ def cpu_speed(recalibrate: bool = False) -> Speed:
         try:
             cached = json.loads(path.read_text())
             if cached["version"] == CALIBRATION_VERSION:
-                _CPU[key] = speed = _speed_from(cached, "cached")
+                _CPU[key] = speed = _speed_from(cached, "cached", OpClock(_ops_path(key)))
                 return speed
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             pass  # unreadable, another version's or half-written by hand: measured anew
@@ -265,8 +339,12 @@ def cpu_speed(recalibrate: bool = False) -> Speed:
         tmp.replace(path)
     except OSError:
         source = "measured now, not cached: the cache folder is not writable"
-    _CPU[key] = speed = _speed_from(doc, source)
+    _CPU[key] = speed = _speed_from(doc, source, OpClock(_ops_path(key), fresh=recalibrate))
     return speed
+
+
+def _ops_path(key: str) -> Path:
+    return _cache_path(key).with_name(f"cpu-ops-{key}.json")
 
 
 REFERENCE_GPU = "H100-80GB"  # a CUDA estimate's times when no GPU is named

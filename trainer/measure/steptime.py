@@ -39,6 +39,7 @@ from torch.utils import flop_counter as _fc
 from trainer.measure.collectives import Collectives
 from trainer.measure.flops import FlopTally, sac_decisions
 from trainer.measure.gpus import Gpu
+from trainer.measure.replay import RECIPES, recipe
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class OpKey(NamedTuple):
     # A compiled step's fused CPU kernel: the bytes its C++ loops move (a reduction's loops each pass over their
     # input: trainer.measure.fake_compile), which a CPU's time is costed by; 0: as `nbytes`
     cpu_nbytes: int = 0
+    # The op with its arguments' dtypes, shapes and strides (trainer.measure.replay): a CPU times it as it runs
+    # (trainer.measure.speeds.OpClock); "" for an op that is not replayed
+    signature: str = ""
 
 
 _FREE_OPS = frozenset(
@@ -254,11 +258,17 @@ class OpTrace(FlopTally):
         formula = _fc.flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         self.total += flops  # the FLOPs figures keep torch's convention (causal attention counted whole)
-        self.work.ops[classify(func, args, kwargs, out, int(flops * causal_share(func, args, kwargs)))] += 1
+        key = classify(func, args, kwargs, out, int(flops * causal_share(func, args, kwargs)))
+        if key.kind != "free" and (replayed := recipe(func, args, kwargs)) is not None:
+            signature, how = replayed
+            RECIPES.setdefault(signature, how)
+            key = key._replace(signature=signature)
+        self.work.ops[key] += 1
 
 
-def trace(fn: Callable[[], Any]) -> tuple[Any, Work]:
-    with OpTrace() as t:
+def trace(fn: Callable[[], Any], counter: type[OpTrace] = OpTrace) -> tuple[Any, Work]:
+    """`fn()` and the Work it did; `counter`: the op counter (a compiled step's: trainer.measure.fake_compile)."""
+    with counter() as t:
         out = fn()
     return out, t.work
 
@@ -319,6 +329,9 @@ class Speed:
     gpu_link: float = 0.0  # bytes/s one rank sends to its peers (collectives); 0: not costed
     overlapped: bool = False  # GPU: the host runs ahead of the kernels
     assumptions: tuple[str, ...] = ()
+    # This CPU's own time for a replayable op (signature, its roofline seconds) → seconds or None: the op run on
+    # real tensors of its shapes (trainer.measure.speeds.OpClock); None: every op by the roofline
+    op_clock: Any = None
 
     def _matmul_rate(self, dtype: str, flops: float) -> float:
         curve = self.matmul.get(dtype) or self.matmul.get("fp32") or next(iter(self.matmul.values()))
@@ -326,18 +339,23 @@ class Speed:
 
     def predict(self, work: Work) -> StepTime:
         mm = mem = 0.0
-        for (kind, dtype, flops, nbytes, cpu_nbytes), n in work.ops.items():
+        for (kind, dtype, flops, nbytes, cpu_nbytes, signature), n in work.ops.items():
             if kind == "free":
                 continue
             if cpu_nbytes and not self.overlapped:  # a CPU runs the loops inductor generated for it
                 nbytes = cpu_nbytes
             curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
-            t_bytes = nbytes / _rate(curve, nbytes) if nbytes else 0.0
+            t = nbytes / _rate(curve, nbytes) if nbytes else 0.0
             if kind == "matmul":
-                t = max(flops / self._matmul_rate(dtype, flops), t_bytes)
+                t = max(flops / self._matmul_rate(dtype, flops), t)
+            if signature and self.op_clock is not None and (timed := self.op_clock(signature, t)) is not None:
+                t = timed
+            if kind == "matmul":
                 mm += t * n
             else:
-                mem += t_bytes * n
+                mem += t * n
+        if self.op_clock is not None:
+            self.op_clock.flush()
         launched = sum(work.count(k) for k in KINDS if k != "free")
         host = launched * self.op_s + work.count("free") * self.free_s + work.sac_decisions * self.sac_s
         copy = work.host_copy_bytes / self.host_link if work.host_copy_bytes and self.host_link else 0.0
