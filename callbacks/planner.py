@@ -51,8 +51,9 @@ class AutoPlanCallback(L.Callback):
     (`policy.callbacks()`). `policy`: the one it plans (None: the auto policy installed on the model it meets).
     A no-op for other policies."""
 
-    def __init__(self, policy: Policy | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, config: Any = None) -> None:
         self.policy = policy
+        self.config = config  # the run's; needed to plan a compiled run (on the estimator's fake tensors)
         self.result: PlanResult | None = None
         self.replanned = False
         self.first_plan: dict[str, Any] | None = None
@@ -71,13 +72,43 @@ class AutoPlanCallback(L.Callback):
             return
         if any(c is not self and isinstance(c, AutoPlanCallback) and c.result is not None for c in trainer.callbacks):
             return  # another planner in this Trainer planned this model first
-        if getattr(pl_module, "_compiled", False):
-            raise PolicyError("policy auto with trainer.compile=true is not supported; plan without compile")
         self._model = model
+        if getattr(pl_module, "_compiled", False):
+            result = self._plan_compiled(pl_module)
+        else:
+            result = self._plan(trainer, pl_module, model, policy)
+        result = self._agree_across_ranks(trainer, result)
+        if (result.micro_batch, result.accum) != (result.configured_micro_batch, result.configured_accum):
+            self._change_micro_batch(trainer, result)
+        self.result = result
+        self.first_plan = result.to_dict()
+        policy.choose(result.treatments)
+        apply_policy(model, policy)
+        self._use_loss(pl_module, result)
+        self._explain(trainer, result, tag=M.AUTO_PLAN_TEXT)
+
+    def _plan_compiled(self, pl_module: L.LightningModule) -> PlanResult:
+        """Under trainer.compile=true: the plan the estimator makes for this run's configuration, each block profiled
+        as inductor compiles it, on fake tensors (a dispatch mode cannot watch a real compiled block: dynamo would run
+        it eagerly), its times predicted for this device (trainer.measure.speeds.speed_here)."""
+        if self.config is None:
+            raise PolicyError(
+                "policy auto under trainer.compile=true plans from the run's configuration; build its callbacks with "
+                "policy.callbacks(config)"
+            )
+        from trainer.estimate import plan_result_for_config
+        from trainer.measure.speeds import speed_here
+
+        return plan_result_for_config(self.config, pl_module.device, fake=True, speed=speed_here(pl_module.device))
+
+    def _plan(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, model: torch.nn.Module, policy: Policy
+    ) -> PlanResult:
+        """The plan from a profile of the real model on the first micro-batch the datamodule would serve."""
         batch = self._first_batch(trainer, pl_module)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         make_optimizer = (lambda groups: type(optimizer)(groups)) if optimizer is not None else default_optimizer()
-        result = plan_model(
+        return plan_model(
             model,
             batch,
             policy,
@@ -92,15 +123,6 @@ class AutoPlanCallback(L.Callback):
                 v for o in trainer.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)
             ],
         )
-        result = self._agree_across_ranks(trainer, result)
-        if (result.micro_batch, result.accum) != (result.configured_micro_batch, result.configured_accum):
-            self._change_micro_batch(trainer, result)
-        self.result = result
-        self.first_plan = result.to_dict()
-        policy.choose(result.treatments)
-        apply_policy(model, policy)
-        self._use_loss(pl_module, result)
-        self._explain(trainer, result, tag=M.AUTO_PLAN_TEXT)
 
     @staticmethod
     def _use_loss(pl_module: L.LightningModule, result: PlanResult) -> None:

@@ -319,3 +319,48 @@ def test_a_cpu_kernels_loops_pass_over_a_row_in_cache_once_and_over_memory_each_
     long = _compiled_work(lambda x: torch.softmax(x, -1), (1, n))
     (key,) = [k for k in long.ops if k.kind != "free"]
     assert key.cpu_nbytes >= 1.5 * key.nbytes
+
+
+# ----------------------------------------------------------------------------------------------------
+# policy=auto under compile: planned on the compiled step, checked against the model compiled whole.
+# ----------------------------------------------------------------------------------------------------
+
+AUTO_SHAPE = ["model=llama-tiny", "model.n_layer=3", "seq_len=128", "batch_size=4", "precision=32-true"]
+
+
+@pytest.mark.slow
+def test_auto_under_compile_plans_the_compiled_step_and_the_run_keeps_to_it(tmp_path: Any) -> None:
+    """policy=auto with trainer.compile=true: each block profiled as inductor compiles it, the plan checked against
+    the model compiled whole (inductor schedules one block's recompute beside another's, so the whole can peak above
+    the blocks' sum) and solved again while it is over; the estimate of the plan fits the budget and is the plan's
+    prediction. A compiled run of that configuration trains the same plan and measures the predicted peak."""
+    import json
+
+    from tests.conftest import run_cli
+    from trainer.estimate import plan_result_for_config
+
+    base = [*AUTO_SHAPE, "model.dropout=0.0", "trainer.compile=true"]
+    uniform = {p: _estimated([*base, f"policy={p}"]).peak_bytes for p in ("none", "full")}
+    budget_mib = (uniform["none"] + uniform["full"]) / 2 / 2**20
+    planned = [*base, "policy=auto", f"policy.budget_mib={budget_mib:.3f}"]
+    result = plan_result_for_config(compose_config(planned))
+    assert result.fits and set(result.treatments) != {"none"}
+    est = _estimated([*base, "policy=per_block", f"policy.blocks=[{','.join(result.treatments)}]"])
+    assert est.peak_bytes <= budget_mib * 2**20
+    assert result.solution.peak == pytest.approx(est.peak_bytes, rel=0.01)
+    run = run_cli(
+        *planned,
+        "trainer=smoke",
+        "trainer.max_steps=3",
+        "trainer.enable_checkpointing=false",
+        "trainer.val_every_n_steps=100",
+        "measure.warmup_steps=1",
+        "measure.activation_every_n_steps=2",
+        f"hydra.run.dir={tmp_path}",
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["auto"]["plan"] == list(result.treatments) and not summary["auto"]["replanned"]
+    assert summary["peak_total_mib"] <= budget_mib
+    assert summary["peak_total_mib"] == pytest.approx(summary["auto"]["predicted_peak_mib"], rel=0.01)

@@ -220,7 +220,7 @@ class Run:
         self.guard = NumericGuard(t.on_nonfinite)
         # What the policy brings (auto: its planner, at fit start from a profile of the real batch); after `measure`,
         # so it sees each step.
-        self.policy_callbacks: list[L.Callback] = module.policy.callbacks()
+        self.policy_callbacks: list[L.Callback] = module.policy.callbacks(config)
         # The run's own prediction, after the policy's callbacks (auto's plan is chosen by then).
         self.prediction = PredictionCallback(config) if config.measure.predict else None
         callbacks: list[L.Callback] = [self.measure, self.guard, *self.policy_callbacks]

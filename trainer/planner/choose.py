@@ -109,9 +109,11 @@ def profile_model(
     resident: Sequence[torch.Tensor] = (),
     timing: bool = True,
     speed: Speed | None = None,
+    compiled: bool = False,
 ) -> Profile:
     """The planner's view of `model` on `batch` under `policy`'s candidates (auto's config), one Profile per loss
-    head in `loss_fns` (the configured head first); the RNG is left as it was found."""
+    head in `loss_fns` (the configured head first); the RNG is left as it was found. `compiled`: the blocks as
+    trainer.compile=true compiles them (fake tensors only: `profile`)."""
     treatments, notes = candidate_treatments(policy, adapter_for(model).attention, batch[0].device.type)
     with preserved_rng(batch[0].device):
         prof = profile(
@@ -130,6 +132,7 @@ def profile_model(
             timing=timing,
             resident=resident,
             speed=speed,
+            compiled=compiled,
         )
     for p in prof.heads.values():
         p.notes[:0] = notes

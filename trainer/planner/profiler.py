@@ -21,6 +21,7 @@ measuring callback reports as `peak_total_mib`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -35,9 +36,10 @@ from torch import nn
 from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.core.step import optimizer_phase
+from trainer.measure.fake_compile import GraphOpTrace, GraphTracker, fake_compiled_runtime, run_generated_code
 from trainer.measure.memory import LiveTensorTracker
 from trainer.measure.speeds import speed_for
-from trainer.measure.steptime import Speed, trace
+from trainer.measure.steptime import OpTrace, Speed, trace
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 
@@ -90,12 +92,14 @@ class _Timer:
 @dataclass
 class _RooflineClock:
     """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.measure.steptime)
-    against the device the estimate is for."""
+    against the device the estimate is for; `compiled`: a compiled block's generated code, its fused kernels each
+    one op (trainer.measure.fake_compile)."""
 
     speed: Speed
+    compiled: bool = False
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
-        out, work = trace(fn)
+        out, work = trace(fn, GraphOpTrace if self.compiled else OpTrace)
         return out, self.speed.predict(work).ms
 
 
@@ -120,6 +124,7 @@ class _Run:
     device_type: str
     timing: bool
     warmup: int = 1
+    compiled: bool = False  # each block compiled as trainer.compile=true compiles the model (on fake tensors)
 
     @property
     def rounds(self) -> int:
@@ -127,7 +132,8 @@ class _Run:
         return (1 if isinstance(self.timer, _RooflineClock) else self.repeats) if self.timing else 0
 
     def tracker(self) -> LiveTensorTracker:
-        return LiveTensorTracker(record_timeline=True, device=self.device_type)
+        kind = GraphTracker if self.compiled else LiveTensorTracker
+        return kind(record_timeline=True, device=self.device_type)
 
     def median_ms(self, fn: Callable[[], float]) -> float:
         if not self.rounds:
@@ -195,6 +201,7 @@ def profile(
     resident: Sequence[torch.Tensor] = (),
     warmup: int = 1,
     speed: Speed | None = None,
+    compiled: bool = False,
 ) -> Profile:
     """Measure what the planner needs on one micro-batch (see the module docstring).
 
@@ -209,21 +216,26 @@ def profile(
     memory the tracker cannot see (CUDA). Times: on real tensors, `warmup` untimed rounds then the median of
     `repeats` rounds, each round running every treatment once (order rotated, so a shared machine's drift falls on
     all alike); on fake tensors the step-time model's prediction for `speed` (default: this CPU calibrated, or
-    the reference GPU for a CUDA estimate).
+    the reference GPU for a CUDA estimate). `compiled` (fake tensors only): each block under each treatment compiled
+    by inductor as trainer.compile=true compiles the model (trainer.measure.fake_compile), so its bytes and times are
+    the compiled block's; the embedding, head and optimizer stay eager, as a run compiles only the decoder.
     """
     policy = policy or build_policy({"name": "per_block", "pattern": ["none"]})
     losses = dict(loss_fn) if isinstance(loss_fn, Mapping) else {"": loss_fn}
     device = batch[0].device
     fake = _is_fake(batch[0])
+    if compiled and not fake:
+        raise ValueError("a compiled profile is taken on fake tensors (the estimator's compiled step)")
     adapter = adapter_for(model)
     run = _Run(
         adapter=adapter,
         forward_context=precision_.plugin(precision, device.type).forward_context,
-        timer=_RooflineClock(speed or speed_for(device.type)) if fake and timing else _Timer(device),
+        timer=_RooflineClock(speed or speed_for(device.type), compiled) if fake and timing else _Timer(device),
         repeats=repeats,
         device_type=device.type,
         timing=timing,
         warmup=warmup,
+        compiled=compiled,
     )
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
@@ -233,7 +245,8 @@ def profile(
     try:
         for p in params:
             p.grad = None
-        blocks = _profile_blocks(run, batch, next(iter(losses.values())), treatments, policy)
+        with fake_compiled_runtime() if compiled else contextlib.nullcontext():
+            blocks = _profile_blocks(run, batch, next(iter(losses.values())), treatments, policy)
         rests = {name: _profile_rest(run, batch, fn) for name, fn in losses.items()}
         opt = _profile_optimizer(run, make_optimizer, param_groups, grad_clip)
     finally:
@@ -254,6 +267,8 @@ def profile(
         "untracked": untracked,
     }
     notes = [f"step times predicted for {run.timer.speed.name}"] if isinstance(run.timer, _RooflineClock) else []
+    if compiled:
+        notes.append("blocks compiled by inductor, each alone, as trainer.compile=true compiles them (fake tensors)")
     prof = _assemble(treatments, blocks, rests, opt, shape, policy, notes)
     if run.rounds > 1:
         _in_the_chain(run, prof, batch, next(iter(losses.values())), policy)
@@ -402,10 +417,20 @@ class _BlockBench:
     def install(self, i: int, t: str) -> None:
         n = self.run.adapter.n_layer
         install_plan(self.run.adapter, Plan.per_block(["none"] * i + [t] + ["none"] * (n - i - 1)), self.policy)
+        if self.run.compiled:
+            # dynamo's caches emptied first: one block's code under many treatments would pile up guards until its
+            # recompile limit silently ran the block eagerly
+            torch._dynamo.reset()
+            backend = self.policy.treatment_policy(t).compile_backend(run_generated_code)
+            self.blocks[i].compile(backend=backend)
+            self.once(i, i)  # compiles it (forward and backward), outside any clock or tracker
+            self.clear_grads([i])
 
     def uninstall(self, i: int) -> None:
         self.run.adapter.override_forward(i, None)
         self.run.adapter.wrap_core_attention(i, None)
+        if self.run.compiled:
+            self.blocks[i]._compiled_call_impl = None
 
     def clear_grads(self, members: Sequence[int]) -> None:
         for i in members:

@@ -176,11 +176,12 @@ class Policy:
         """A planned policy takes the plan its planner chose, one treatment per block."""
         raise PolicyError(f"policy {self.name} is not planned; its plan is its own")
 
-    def callbacks(self) -> list[Any]:
+    def callbacks(self, config: Any = None) -> list[Any]:
         """The Lightning callbacks a run of this policy needs (registered with `register_callback`), made once per
-        policy object: the run, the checker and the estimator ask the policy and name none."""
+        policy object: the run, the checker and the estimator ask the policy and name none. `config`: the run's
+        (auto's planner plans a compiled run from it, on the estimator's fake tensors)."""
         if self._callbacks is None:
-            self._callbacks = [make(self) for make in CALLBACKS.get(self.name, [])]
+            self._callbacks = [make(self, config) for make in CALLBACKS.get(self.name, [])]
         return self._callbacks
 
     # -- treatments -------------------------------------------------------------------------------------------
@@ -238,8 +239,8 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 def register_callback(policy: str) -> Callable[[Any], Any]:
-    """`@register_callback("auto")` on a callback class (constructed with the policy) that a run of that policy
-    needs: the callbacks package registers them, so the policies import no callback."""
+    """`@register_callback("auto")` on a callback class (constructed with the policy and the run's config, or None)
+    that a run of that policy needs: the callbacks package registers them, so the policies import no callback."""
 
     def add(make: Any) -> Any:
         CALLBACKS.setdefault(policy, []).append(make)
