@@ -24,6 +24,10 @@ batch of random tokens (bench/harness.py):
    `peak_total_mib`, the figure the budget bounds); time = median over `--reps` rounds interleaved across plans
    (order rotated), so load on a shared machine spreads over all plans alike.
 
+4. Compiled (bench/planner_compiled.py; `--no-compiled` leaves it out): on the same model, `auto` under
+   trainer.compile=true at several memory levels beside torch's budget partitioner (`memory_budget` at several
+   budgets) and the compiled uniform plans, each compiled as a run compiles it, metered and timed in one process.
+
 `--write-docs` puts the tables between docs/benchmarks.md's planner-table markers, and the paragraph on how close
 both step-time sources came and whether `auto` ever lost to a uniform plan (`accuracy`) between its
 planner-accuracy markers.
@@ -53,6 +57,7 @@ from bench.harness import (
     quiet_policy_notices,
     spread,
 )
+from bench.planner_compiled import compiled_header, compiled_table, run_compiled
 from trainer.core.module import param_groups
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB, mib
@@ -339,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
+    ap.add_argument("--no-compiled", action="store_true", help="leave out the compiled half (auto vs memory_budget)")
+    ap.add_argument("--levels", type=int, default=5, help="memory levels of the compiled half (≥ 2)")
     add_page_arguments(
         ap,
         BENCHMARKS_PAGE,
@@ -349,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--budgets must be at least 6")
     if args.reps < 1:
         ap.error("--reps must be ≥ 1")
+    if args.levels < 2:
+        ap.error("--levels must be at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)
         return 2
@@ -368,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         outs.append(out)
         text = header(out, command) + "\n\n" + tables(out)
+        if not args.no_compiled:
+            try:
+                compiled = run_compiled(overrides, args.levels, args.reps)
+            except BenchError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            text += "\n\n" + compiled_header(compiled) + "\n\n" + compiled_table(compiled)
         blocks.append(text if len(models) == 1 else f"**{model}**\n\n{text}")
     block = "\n\n".join(blocks)
     close = accuracy(outs, command)

@@ -390,7 +390,8 @@ def test_the_published_fsdp_row_reserves_what_torchtitan_published() -> None:
 def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
     """bench.compiled on micro: eager and compiled `none` side by side (their activation peaks differ: the compiled
     one is the allocator's count of what inductor's code keeps), and memory_budget at 1 and 0 (0 recomputes what 1
-    saves), every row timed; the table renders with a ratio per figure."""
+    saves), every row timed; the estimator's figures beside each (its compiled peaks are the measured ones); the
+    table and the README's summary render with a ratio per figure."""
     from bench import compiled
 
     out = compiled.run("micro", ["seq_len=32", "batch_size=2"], reps=2, budgets=[1.0, 0.0], policies=["none"])
@@ -398,6 +399,8 @@ def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
     assert list(rows) == ["none eager", "none compiled", "memory_budget 1", "memory_budget 0"]
     assert rows["none compiled"].activation != rows["none eager"].activation
     assert rows["memory_budget 0"].activation < rows["memory_budget 1"].activation
-    assert all(len(r.times) == 2 for r in rows.values())
+    assert all(len(r.times) == 2 and r.est_ms > 0 for r in rows.values())
+    assert all(r.est_total == r.total for r in rows.values() if r.compiled)
     text = compiled.table(out)
-    assert "| `none` |" in text and "| 0 |" in text
+    assert "| `none` |" in text and "| 0 |" in text and "fastest first: predicted" in text
+    assert "| `micro` | `none` |" in compiled.summary([out], "python -m bench.compiled")

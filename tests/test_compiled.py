@@ -364,3 +364,17 @@ def test_auto_under_compile_plans_the_compiled_step_and_the_run_keeps_to_it(tmp_
     assert summary["auto"]["plan"] == list(result.treatments) and not summary["auto"]["replanned"]
     assert summary["peak_total_mib"] <= budget_mib
     assert summary["peak_total_mib"] == pytest.approx(summary["auto"]["predicted_peak_mib"], rel=0.01)
+
+
+def test_the_estimator_shows_eager_and_compiled_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--compile-vs-eager`: the configured policy estimated with trainer.compile flipped too, the two printed side
+    by side; the compiled figures are the compiled estimate's (the same as `trainer.compile=true` alone)."""
+    from trainer.estimate.cli import main as estimate_main
+
+    shape = [*MODELS["gpt"], *SHAPES, "policy=full"]
+    assert estimate_main([*shape, "--policies", "configured", "--compile-vs-eager"]) == 0
+    out = capsys.readouterr().out
+    assert "eager and compiled (trainer.compile=true), side by side:" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| `full` |")]
+    compiled = _estimated([*shape, "trainer.compile=true"])
+    assert row.split("|")[5].strip() == f"{compiled.peak_bytes / 2**20:.3f}"

@@ -19,7 +19,7 @@ Inside: `session` (the module on fake tensors, stepped once, and `measure`), `ta
 """
 
 from trainer.estimate.cli import main, parse_bytes, render, to_json
-from trainer.estimate.config_plan import plan_for_config, plan_result_for_config, planner_plan
+from trainer.estimate.config_plan import compiled_plans, plan_for_config, plan_result_for_config, planner_plan
 from trainer.estimate.session import (
     CudaKernelRules,
     Estimate,
@@ -46,6 +46,7 @@ __all__ = [
     "parse_bytes",
     "plan_for_config",
     "plan_result_for_config",
+    "compiled_plans",
     "planner_plan",
     "render",
     "to_json",

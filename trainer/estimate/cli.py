@@ -3,6 +3,7 @@ a planned policy first."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
-from trainer.formatting import MIB, flops_text, markdown_table
+from trainer.formatting import MIB, flops_text, markdown_table, mib
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
 from trainer.measure.speeds import REFERENCE_GPU, speed_for
 from trainer.measure.steptime import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
@@ -445,6 +446,12 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument("--no-time", action="store_true", help="leave the predicted step-time columns out")
     parser.add_argument(
+        "--compile-vs-eager",
+        action="store_true",
+        help="also estimate every policy with trainer.compile flipped, and show eager and compiled side by side "
+        "(activation and whole-step peaks, predicted step time)",
+    )
+    parser.add_argument(
         "--max-world",
         type=int,
         default=64,
@@ -493,6 +500,51 @@ def _extras(
             known={session.world: table},
         )
     return advice, fit
+
+
+def _flipped_table(config: Any, device: str, args: Any) -> dict[str, Estimate | str]:
+    """Every policy of the table with trainer.compile flipped (a planned policy plans for its own setting: left
+    out)."""
+    trainer = dataclasses.replace(config.trainer, compile=not config.trainer.compile)
+    flipped = dataclasses.replace(config, trainer=trainer)
+    session = open_session(flipped, device, args.autocast_cache)
+    try:
+        if args.policies == "all":
+            return estimate_tables(flipped, device, {}, args.autocast_cache, session=session, losses=False)[0]
+        policy = build_policy(config.policy)
+        if policy.planned_first:
+            return {}
+        with quiet_policy_notices():
+            return {policy.cfg.name: measure(session, policy)}
+    finally:
+        session.close()
+
+
+def render_compile_vs_eager(
+    table: dict[str, Estimate | str], other: dict[str, Estimate | str], compiled: bool, speed: Speed | None
+) -> str:
+    """Eager and compiled side by side, per policy estimated both ways."""
+    eager, comp = (other, table) if compiled else (table, other)
+    rows = []
+    for name in table:
+        e, c = eager.get(name), comp.get(name)
+        if not (isinstance(e, Estimate) and isinstance(c, Estimate)):
+            continue
+        cells = [f"`{name}`", mib(e.activation_bytes), mib(c.activation_bytes), mib(e.peak_bytes), mib(c.peak_bytes)]
+        if speed is not None:
+            te, tc = e.step_time(speed).ms, c.step_time(speed).ms
+            cells += [f"{te:,.1f}", f"{tc:,.1f}", f"{tc / te:.2f}"]
+        rows.append(cells)
+    head = ["policy", "activation MiB eager", "compiled", "whole-step MiB eager", "compiled"]
+    if speed is not None:
+        head += ["step ms eager", "compiled", "compiled ÷ eager"]
+    left = [n for n in table if not (isinstance(eager.get(n), Estimate) and isinstance(comp.get(n), Estimate))]
+    note = f"\n(not both ways: {', '.join(left)})" if left else ""
+    return (
+        "eager and compiled (trainer.compile=true), side by side:\n\n"
+        + markdown_table(head, rows, "l" + "r" * (len(head) - 1))
+        + note
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -553,6 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = table[policy.cfg.name]
         assert isinstance(est, Estimate)
         advice, fit = _extras(args, session, est, table, losses, budget, plans, gpus, reserve, speed)
+        other: dict[str, Estimate | str] = {}
+        if args.compile_vs_eager:
+            session.close()  # one fake session at a time: the other's compile resets dynamo
+            other = _flipped_table(config, device, args)
     except Exception as e:
         return user_error_status(e)
     finally:
@@ -561,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if preface:
         print(preface.rstrip() + "\n")
     print(render(session, est, table, losses, budget, speed))
+    if args.compile_vs_eager:
+        print("\n" + render_compile_vs_eager(table, other, config.trainer.compile, speed))
     if advice is not None:
         assert budget is not None
         print("\n" + render_advice(est, advice, budget, args.overrides))

@@ -17,7 +17,7 @@ from trainer.errors import PolicyError
 from trainer.estimate.session import Session, measure, open_session
 from trainer.formatting import MIB
 from trainer.measure.steptime import Speed
-from trainer.planner import PlanResult, default_optimizer, head_candidates, plan_model, solve_profile
+from trainer.planner import PlanResult, choose, default_optimizer, head_candidates, plan_model, solve_profile
 from trainer.policies import Plan, Policy, build_policy
 
 
@@ -79,6 +79,33 @@ def plan_result_for_config(
     finally:
         torch.set_rng_state(cpu)
     return plan_module(config, module, policy, batch, chosen)
+
+
+def compiled_plans(
+    config: Config, budgets_mib: list[float], speed: Speed | None = None
+) -> dict[float, PlanResult | str]:
+    """policy=auto under trainer.compile=true at several budgets from one profile (as `plan_result_for_config` at
+    each, without profiling again): {budget MiB: the plan, checked compiled whole, or the one-line refusal}."""
+    session = open_session(config, None)
+    out: dict[float, PlanResult | str] = {}
+    with contextlib.closing(session):
+        with session.active():
+            for p in session.module.parameters():
+                p.grad = None
+            step_precision = precision_.lightning_precision(session.precision, config.trainer)
+            policy = build_policy({**config.policy, "budget_mib": max(budgets_mib)})
+            top = plan_module(config, session.module, policy, session.batches[0], step_precision, speed)
+        configured = (top.configured_micro_batch, top.configured_accum)
+        for budget in budgets_mib:
+            result = choose(top.profile, int(budget * MIB), f"policy.budget_mib={budget:g}", configured)
+            if result is None:
+                out[budget] = f"policy auto: no plan fits policy.budget_mib={budget:g}"
+                continue
+            try:
+                out[budget] = _compiled_whole(session, result)
+            except PolicyError as e:
+                out[budget] = str(e)
+    return out
 
 
 VERIFY_ROUNDS = 3
