@@ -11,10 +11,11 @@ a run's setup does), and `policy=memory_budget` compiled at each `--budget`. Eac
 a warm step: AdamW's state and last step's gradients exist), then metered over one step as a run meters it
 (`trainer.core.step.StepMeter`: the live-tensor tracker eager, the allocator's reports compiled; the whole-step peak
 is `peak_total_mib`), then timed: `--reps` rounds interleaved across variants (order rotated), median step ms and
-half the IQR. Ratios are compiled ÷ eager of the same policy, measured side by side here.
+half the IQR. Ratios are compiled ÷ eager of the same policy, measured side by side here. Beside each, the
+estimator's figures for the same configuration: its peaks, its predicted step time and the error.
 
-`auto` is not a row: it plans from an eager profile (its planner refuses compile), so beside each budget the table
-names the fastest compiled uniform policy whose measured peak is at most that budget's.
+Beside each budget the table names the fastest compiled uniform policy whose measured peak is at most that budget's;
+`auto` under compile against the partitioner is bench.planner's compiled half (bench/planner_compiled.py).
 """
 
 from __future__ import annotations
@@ -262,8 +263,9 @@ def header(outs: Sequence[dict[str, Any]], command: str) -> str:
         "(activation peak and whole-step peak, `peak_total_mib`: the live-tensor tracker eager, the allocator's "
         "reports "
         f"compiled), then timed over {outs[0]['reps']} rounds interleaved across variants (median ± half the IQR). "
-        "model.dropout=0 throughout (`memory_budget` is refused with dropout below budget 1 on this torch). `auto` "
-        "plans from an eager profile, so beside each budget stands the fastest compiled uniform policy that fits."
+        "model.dropout=0 throughout (`memory_budget` is refused with dropout below budget 1 on this torch). Beside "
+        "each budget stands the fastest compiled uniform policy that fits; `auto` under compile against the "
+        "partitioner is bench.planner's compiled half."
     )
 
 
