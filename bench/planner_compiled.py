@@ -106,7 +106,7 @@ def compiled_table(out: dict[str, Any]) -> str:
         ratio = "—"
         if partitioner is not None:
             ratio = f"{a.ms / partitioner.ms:.2f}"
-            if a.ms > partitioner.ms:
+            if round(a.ms / partitioner.ms, 2) > 1:
                 inside = a.ms * (1 - spread(a.times)) <= partitioner.ms * (1 + spread(partitioner.times))
                 verdicts.append(
                     f"{level:g} MiB: {a.ms / partitioner.ms:.2f}×, {'inside' if inside else 'outside'} the two "

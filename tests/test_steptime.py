@@ -88,15 +88,6 @@ def test_the_roofline_arithmetic() -> None:
     assert _speed(True).predict(work).ms == pytest.approx(16.0)
 
 
-def test_a_fused_kernel_is_costed_by_its_loops_on_a_cpu_and_by_its_bytes_once_on_a_gpu() -> None:
-    """A compiled step's fused kernel carries two byte counts (trainer.measure.fake_compile.FusedKernel): what its
-    C++ loops move, which a CPU runs, and its tensors once, which a GPU's fused kernel moves."""
-    work = Work()
-    work.ops[OpKey("memory", "", 0, 1_000_000, 3_000_000)] = 1
-    assert _speed(False).predict(work).memory_ms == pytest.approx(3.0)
-    assert _speed(True).predict(work).memory_ms == pytest.approx(1.0)
-
-
 def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_exposed() -> None:
     """Ring collectives: each rank sends (W−1)/W of what is gathered or reduced. Per micro-batch every unit is
     all-gathered for the forward, the layers again for the backward, every gradient reduce-scattered; the first

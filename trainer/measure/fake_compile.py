@@ -25,7 +25,6 @@ import re
 import types
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 from unittest import mock
 
@@ -89,106 +88,14 @@ class GraphOpTrace(OpTrace):
 # A kernel whose loop evaluates these runs below the streaming rate (steptime's `math` kind, as its eager ops).
 _MATH = re.compile(r"\b(exp|exp2|expm1|log|log1p|tanh|erf|erfc|sigmoid|sin|cos|sqrt|rsqrt|pow|reciprocal)\b")
 _ARGUMENT = re.compile(r"(const\s+)?[\w:<>]+\s*\*\s*(\w+)")
-_ALIAS = re.compile(r"auto\s+(\w+)\s*=\s*(\w+);")
-# A loop header with constant bounds, as inductor writes it for static shapes: its variable, start, end.
-_LOOP = re.compile(
-    r"for\(int64_t (\w+)=static_cast<int64_t>\((-?\d+)L?\); \w+<static_cast<int64_t>\((-?\d+)L?\); "
-    r"\w+\+=static_cast<int64_t>\(\d+L?\)\)"
-)
-
-
-def _block_end(text: str, open_brace: int) -> int:
-    depth = 0
-    for i in range(open_brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    return len(text)
-
-
-# What stays in a core's cache between two loops over the same data: passes a loop makes over what one iteration of
-# its enclosing loop touches (a softmax's passes over one row) cost once when that is at most this.
-CACHE_BYTES = 1 << 20
-
-
-@dataclass
-class Loop:
-    """A loop of a generated C++ kernel: how many times its body runs in all (its range times its enclosing loops'),
-    the pointer arguments its own body touches and how (read, written), and the loops inside it."""
-
-    runs: int
-    touches: dict[int, frozenset[str]]
-    inner: list[Loop]
-
-    def reach(self) -> dict[int, tuple[int, frozenset[str]]]:
-        """Per pointer its subtree touches: the most elements one loop of it covers, and every way it is touched."""
-        out = {p: (self.runs, ways) for p, ways in self.touches.items()}
-        for loop in self.inner:
-            for p, (elements, ways) in loop.reach().items():
-                had, had_ways = out.get(p, (0, frozenset()))
-                out[p] = (max(had, elements), had_ways | ways)
-        return out
-
-    def moved(self, sizes: list[tuple[int, int]]) -> int:
-        """The bytes its passes move: each pointer once over the elements it covers (at most the tensor, each way it
-        is touched) when one of this loop's iterations touches at most CACHE_BYTES, else its inner loops' passes
-        apart."""
-        reach = {p: r for p, r in self.reach().items() if p < len(sizes)}
-
-        def once(p: int, elements: int, ways: frozenset[str]) -> int:
-            numel, size = sizes[p]
-            return len(ways) * min(numel, elements) * size
-
-        per_iteration = sum(min(sizes[p][0], e) * sizes[p][1] for p, (e, _) in reach.items()) / max(self.runs, 1)
-        if per_iteration <= CACHE_BYTES or not self.inner:
-            return sum(once(p, e, w) for p, (e, w) in reach.items())
-        own = sum(once(p, self.runs, w) for p, w in self.touches.items() if p < len(sizes))
-        return own + sum(loop.moved(sizes) for loop in self.inner)
-
-
-def _loops(body: str, pointers: list[str]) -> Loop | None:
-    """A generated C++ kernel's loops as a tree (the root: the kernel's body). None when a loop's bounds are not
-    constants (dynamic shapes): then the kernel's bytes count each tensor once."""
-    names = {name: i for i, name in enumerate(pointers)}
-    names.update({alias: names[of] for alias, of in _ALIAS.findall(body) if of in names})
-    reference = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
-
-    def walk(lo: int, hi: int, runs: int) -> Loop | None:
-        own, inner, i = [], [], lo
-        while i < hi:
-            start = body.find("for(", i, hi)
-            if start < 0:
-                own.append(body[i:hi])
-                break
-            header = _LOOP.match(body, start)
-            if header is None:
-                return None
-            own.append(body[i:start])
-            brace = body.index("{", header.end())
-            end = _block_end(body, brace)
-            loop = walk(brace + 1, end, runs * max(int(header[3]) - int(header[2]), 0))
-            if loop is None:
-                return None
-            inner.append(loop)
-            i = end + 1
-        touches: dict[int, set[str]] = {}
-        for line in "".join(own).splitlines():
-            for m in reference.finditer(line):
-                name = re.escape(m[1])
-                stored = re.search(rf"\.store\(\s*{name}\b|\b{name}\[[^\]]*\]\s*=[^=]", line)
-                touches.setdefault(names[m[1]], set()).add("write" if stored else "read")
-        return Loop(runs, {p: frozenset(w) for p, w in touches.items()}, inner)
-
-    return walk(0, len(body), 1)
 
 
 class FusedKernel:
     """A C++ kernel inductor generated, not built. Called with the wrapper's buffers, it reports to the op counter in
-    force the bytes it would move, two ways: each tensor it reads (`in_ptr`) and writes (`out_ptr`) once, one it
-    updates in place (`in_out_ptr`) twice, as a GPU's fused kernel moves them; and what its C++ loops move on a CPU,
-    where a reduction's loops each pass over their input: per loop, each tensor it touches over the elements the
-    loop covers (at most the tensor), passes over data that stays in cache counted once (`Loop.moved`). Its kind is
-    `math` when its loops evaluate a transcendental function, else `memory`."""
+    force the bytes it moves once: each tensor it reads (`in_ptr`) and writes (`out_ptr`) once, one it updates in place
+    (`in_out_ptr`) twice; its intermediates never exist. Its kind is `math` when its loops evaluate a transcendental
+    function, else `memory`. (A CPU kernel's reduction loops pass over their input more than once; costing those
+    passes came out further from measured compiled steps than the bytes once: docs/step-time.md.)"""
 
     def __init__(self, source: str) -> None:
         start = source.find("kernel(")
@@ -197,15 +104,13 @@ class FusedKernel:
         # per tensor argument, in order: how many times its bytes move (scalars such as sizes are not pointers)
         self.passes = [2 if name.startswith("in_out_ptr") else 1 for name in pointers]
         self.kind = "math" if _MATH.search(source[end:]) else "memory"
-        self.loops = _loops(source[end:], pointers)
 
     def __call__(self, *args: Any) -> None:
         if not GraphOpTrace.entered:
             return
         sizes = [(a.numel(), a.element_size()) for a in args if isinstance(a, torch.Tensor)]
         nbytes = sum(n * numel * size for n, (numel, size) in zip(self.passes, sizes, strict=False))
-        looped = nbytes if self.loops is None else self.loops.moved(sizes)
-        GraphOpTrace.entered[-1].kernel(OpKey(self.kind, "", 0, nbytes, looped))
+        GraphOpTrace.entered[-1].kernel(OpKey(self.kind, "", 0, nbytes))
 
 
 def _empty_strided(device: str) -> Any:

@@ -51,9 +51,6 @@ class OpKey(NamedTuple):
     dtype: str  # the matmul's operand dtype (fp32, bf16, ...); "" for the other kinds
     flops: int
     nbytes: int  # bytes read and written
-    # A compiled step's fused CPU kernel: the bytes its C++ loops move (a reduction's loops each pass over their
-    # input: trainer.measure.fake_compile), which a CPU's time is costed by; 0: as `nbytes`
-    cpu_nbytes: int = 0
     # The op with its arguments' dtypes, shapes and strides (trainer.measure.replay): a CPU times it as it runs
     # (trainer.measure.speeds.OpClock); "" for an op that is not replayed
     signature: str = ""
@@ -339,11 +336,9 @@ class Speed:
 
     def predict(self, work: Work) -> StepTime:
         mm = mem = 0.0
-        for (kind, dtype, flops, nbytes, cpu_nbytes, signature), n in work.ops.items():
+        for (kind, dtype, flops, nbytes, signature), n in work.ops.items():
             if kind == "free":
                 continue
-            if cpu_nbytes and not self.overlapped:  # a CPU runs the loops inductor generated for it
-                nbytes = cpu_nbytes
             curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
             t = nbytes / _rate(curve, nbytes) if nbytes else 0.0
             if kind == "matmul":
