@@ -11,10 +11,13 @@ Why the tracker may sit on the stack at all: dynamo runs a frame eagerly under a
 (tests/test_compiled.py), except one that declares `ignore_compile_internals`, torch's way for a mode to see compiled
 code's ops; the two modes here do, and are used for nothing else.
 
-What is approximated: memory a kernel takes inside itself without the tensor allocator (a C++ kernel's local
-buffers; an extern kernel's own workspace, e.g. oneDNN's for a bf16 matmul on a CPU), which the allocator's count of a
-run sees. Lowering is for the fake tensors' device: a CUDA estimate translated from the CPU
-(`session.CudaKernelRules`) takes inductor's CPU lowering, whose fusion is close to but not Triton's.
+Two things a run does that a fake step does not are put in: a CPU matmul's own workspace in bf16 or fp16 (oneDNN's,
+from the allocator), measured once per shape on this CPU (`CpuGraphTracker`); and the autograd engine's in-place sum
+of two gradients for one tensor, which on fake tensors is out of place (`GraphTracker`). What is approximated: memory
+a fused C++ kernel takes inside itself (its local buffers), and 0-dim tensors torch makes from Python numbers while
+it parses an op's arguments (an optimizer's scalars, a few bytes), which the allocator's count of a run sees. Lowering
+is for the fake tensors' device: a CUDA estimate translated from the CPU (`session.CudaKernelRules`) takes inductor's
+CPU lowering, whose fusion is close to but not Triton's.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+import threading
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 from unittest import mock
 
 import torch
 
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory import LiveTensorTracker, _on_storage_freed
+from trainer.measure.replay import inside_bytes
 from trainer.measure.steptime import OpKey, OpTrace
 
 
@@ -44,6 +50,88 @@ class GraphTracker(LiveTensorTracker):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not (_engine_sums(func, args) and self._continues(args[0], out)):
+            self._count(func, args, kwargs, out)
+        return out
+
+    def _continues(self, old: torch.Tensor, new: torch.Tensor) -> bool:
+        """`new` takes over `old`'s storage, as the engine's in-place sum would have kept it: one record, no new
+        bytes. False where `old`'s storage is not one the window counts."""
+        window = self._window
+        storage = new.untyped_storage()
+        with window.lock:
+            entry = window.live.get(old.untyped_storage()._cdata)
+            if entry is None or entry[1] != storage.nbytes():
+                return False
+            del window.live[old.untyped_storage()._cdata]  # its free, when it comes, is not the record's
+            record, cdata = entry[0], storage._cdata
+            ref = weakref.ref(storage, lambda _r, w=window.weak_self, c=cdata, rec=record: _on_storage_freed(w, c, rec))
+            window.live[cdata] = (record, entry[1], ref)
+        return True
+
+
+# The autograd engine sums two gradients for one tensor (its input buffer) in place when it holds the only reference
+# to the first and that is a plain dense tensor, else out of place; a fake tensor is never plain, so on fakes every
+# sum is out of place and its result a second buffer, which a run of real tensors does not make. A run's step counted
+# by the allocator (a compiled one) sums in place; the estimate of one takes such a sum's result to continue its
+# first operand's storage. Told apart from a node's own arithmetic: the node producing the gradient is a Python one
+# (a compiled graph's backward) and the sum comes from the engine, outside that node's body. Approximated: where
+# something else still holds the first gradient (a hook), the run sums out of place.
+_IN_NODE = threading.local()
+
+
+def _engine_sums(func: Any, args: Any) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+    from torch.autograd.function import BackwardCFunction
+
+    return (
+        func is torch.ops.aten.add.Tensor
+        and not getattr(_IN_NODE, "depth", 0)
+        and isinstance(torch._C._current_autograd_node(), BackwardCFunction)
+        and len(args) == 2
+        and all(isinstance(a, torch.Tensor) for a in args)
+        and args[0].shape == args[1].shape
+        and args[0].dtype == args[1].dtype
+        and not args[0]._is_view()  # a view shares its storage with its base: summed out of place
+        and is_non_overlapping_and_dense_or_false(args[0])
+    )
+
+
+def _apply_counted(self: Any, *args: Any) -> Any:
+    _IN_NODE.depth = getattr(_IN_NODE, "depth", 0) + 1
+    try:
+        return _NODE_APPLY(self, *args)
+    finally:
+        _IN_NODE.depth -= 1
+
+
+class CpuGraphTracker(GraphTracker):
+    """GraphTracker for an estimate of a CPU run, which a compiled run counts with the allocator: an op's own
+    workspace counts too, where a CPU kernel takes one (oneDNN's for a matmul in bf16 or fp16), measured once per
+    shape on this CPU (trainer.measure.replay.inside_bytes) and held for the op's duration."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if isinstance(func, torch._ops.HigherOrderOperator) or func._overloadpacket.__name__ not in _WORKSPACE_OPS:
+            return out
+        if any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args):
+            workspace = inside_bytes(func, args, kwargs or {})
+            if workspace:
+                window = self._window
+                with window.lock:
+                    record = window.next_record
+                    window.next_record += 1
+                window.add(workspace, record)
+                window.add(-workspace, record)
+        return out
+
+
+# CPU kernels that take a workspace of their own in reduced precision (oneDNN's matmuls)
+_WORKSPACE_OPS = frozenset(("mm", "bmm", "addmm", "baddbmm"))
 
 
 # The higher-order ops inductor's generated code calls around one op (a random op recomputed in backward: its forward
@@ -163,6 +251,9 @@ def _run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.T
     return torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8), op(*args, **kwargs)
 
 
+_NODE_APPLY = torch.autograd.function.BackwardCFunction.apply
+
+
 @contextlib.contextmanager
 def fake_compiled_runtime() -> Iterator[None]:
     """What compiling on fake tensors and running the result needs: torch's compile caches neither read nor written
@@ -170,10 +261,12 @@ def fake_compiled_runtime() -> Iterator[None]:
     compiled here must never be a run's), and a fake rule for the saved RNG state of a recomputed random op."""
     from torch._higher_order_ops.utils import registered_hop_fake_fns
     from torch._prims.rng_prims import run_and_save_rng_state
+    from torch.autograd.function import BackwardCFunction
 
     with (
         torch.compiler.config.patch(force_disable_caches=True),
         mock.patch.dict(registered_hop_fake_fns, {run_and_save_rng_state: _run_and_save_rng_state}),
+        mock.patch.object(BackwardCFunction, "apply", _apply_counted),
         warnings.catch_warnings(),
     ):
         # dynamo says, per compiled frame, that caches being off turns its profile-guided recompiles off too

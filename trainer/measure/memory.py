@@ -170,6 +170,11 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._count(func, args, kwargs, out)
+        return out
+
+    def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Count the storages `func` made for `out`."""
         window = self._window
         input_storages: set[int] | None = None
         for t in local_tensors(tree_flatten(out)[0]):
@@ -214,7 +219,6 @@ class LiveTensorTracker(TorchDispatchMode):
             phase = BACKWARD if torch._C._current_autograd_node() is not None else FORWARD
             self.timeline.append(TimelinePoint(self._op_index, window.live_bytes, phase, str(func)))
         self._op_index += 1
-        return out
 
     # -- figures ---------------------------------------------------------------------------------------
 

@@ -140,3 +140,54 @@ def _text(x: Any) -> str:
 
 # Every recipe traced in this process, by signature: what a CPU's op clock replays.
 RECIPES: dict[str, Recipe] = {}
+
+
+# What an op holds inside itself (a workspace: memory it allocates and frees while it runs), by signature.
+_INSIDE: dict[str, int] = {}
+INSIDE_MAX_BYTES = 256 * 2**20
+
+
+def inside_bytes(func: Any, args: Any, kwargs: Any) -> int:
+    """The most bytes `func` holds inside itself beyond what it returns, on real CPU tensors of these shapes: its
+    allocations while it runs, read from the allocator's reports (torch.profiler's memory events), less what is still
+    allocated when it returns (its outputs). Measured once per signature (after a first run, which fills a kernel
+    library's own caches), the RNG left as it was; 0 for an op that is not replayed, does not run on made-up operands,
+    or whose operands hold over INSIDE_MAX_BYTES (a large model's estimate is not held up by its real matmuls)."""
+    replayed = recipe(func, args, kwargs)
+    if replayed is None or replayed[1].nbytes > INSIDE_MAX_BYTES:
+        return 0
+    signature, how = replayed
+    if signature not in _INSIDE:
+        _INSIDE[signature] = _measure_inside(how)
+    return _INSIDE[signature]
+
+
+def _measure_inside(how: Recipe) -> int:
+    from torch._C._profiler import _EventType
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            run = how.build()
+            run()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = run()
+            del out
+        except Exception:
+            return 0
+    sizes: list[tuple[int, int]] = []
+
+    def walk(node: Any) -> None:
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, size in sorted(sizes):
+        live += size
+        peak = max(peak, live)
+    return max(0, peak - live)
