@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainer.measure.speeds import cpu_name
+from trainer.measure.time.calibration import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
 
 __all__ = [

@@ -1,7 +1,8 @@
 """How close the two step-time sources came to the measured steps, as the sentences docs/benchmarks.md prints.
 
 bench.policies and bench.planner each measure the uniform policies and predict them twice: the profile (the
-planner's measured source) and the roofline (the estimator's fake-tensor step costed by `trainer.measure.steptime`).
+planner's measured source) and the roofline (the estimator's fake-tensor step costed by
+`trainer.measure.time.roofline`).
 `sources_text` says within how many percent of the measured median each source came, and on which side; `rankings`
 whether each source orders the policies as measured, and where it does not, whether the measured times of the
 swapped pair lie within their noise (median ± half the IQR). The benches put the paragraph between their markers.

@@ -100,7 +100,7 @@ def _estimate(rows: Sequence[Row], overrides: Sequence[str]) -> None:
     """Each row as the estimator sees it, before anything is measured: one fake session per eager/compiled, each
     row's policy measured on it, the step time predicted for this CPU at this thread count (calibrated once)."""
     from trainer.estimate import measure, open_session
-    from trainer.measure.speeds import cpu_speed
+    from trainer.measure.time.calibration import cpu_speed
 
     speed = cpu_speed()
     for compiled in (False, True):

@@ -36,7 +36,7 @@ from trainer.core.module import DecoderModule
 from trainer.core.schema import Config, compose_config
 from trainer.core.step import StepMeter, bare_step, optimizers_of
 from trainer.loss import LossConfig
-from trainer.measure.flops import count_flops
+from trainer.measure.time.flops import count_flops
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy, build_policy
 from trainer.precision import plugin
 

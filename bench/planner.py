@@ -62,7 +62,7 @@ from trainer.core.module import param_groups
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB, mib
 from trainer.loss import LossConfig
-from trainer.measure.speeds import speed_here
+from trainer.measure.time.calibration import speed_here
 from trainer.planner import (
     PeakModel,
     choose,
@@ -252,7 +252,7 @@ def tables(out: dict[str, Any]) -> str:
         "",
         "Uniform plans, predicted vs measured (profile: the planner's measured source, the median over the profile "
         f"above and {out['profiles'] - 1} more taken after each timed round; roofline: the estimator's fake-tensor "
-        "step costed by `trainer.measure.steptime`):",
+        "step costed by `trainer.measure.time.roofline`):",
         "",
         "| policy | predicted MiB | measured MiB | measured step ms | predicted: profile | ÷ measured "
         "| predicted: roofline | ÷ measured |",

@@ -29,7 +29,8 @@ steps, so no variant gets other weights or another batch.
   the per-round ratio, which pairs steps that ran close together and so cancels slow drifts of a shared machine.
 * Memory: an untimed step per variant under `trainer.core.step.StepMeter`: activation peak (memory/activation_peak_mib),
   the whole step's peak (memory/peak_total_mib), the head's peak; on CUDA also the allocator's peak.
-* FLOPs: `trainer.measure.flops.count_flops` over one more untimed step (forward + backward, recompute included); ops it
+* FLOPs: `trainer.measure.time.flops.count_flops`
+  over one more untimed step (forward + backward, recompute included); ops it
   has no formula for are named (a fused kernel's FLOPs it cannot see).
 * est.: `trainer.estimate` (open_session + measure) for the same config, policy and head, on fake tensors.
 * Framework overhead: policy `none`, the bare step against a real `lightning.Trainer.fit` of the same
@@ -86,7 +87,7 @@ from bench.policies_report import ACCURACY_END, ACCURACY_START, accuracy, report
 from trainer.core.schema import Config, ModelConfig, describe_user_error
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
-from trainer.measure.speeds import speed_here
+from trainer.measure.time.calibration import speed_here
 from trainer.planner import PeakModel
 from trainer.policies import Policy, policy_params
 

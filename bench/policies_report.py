@@ -251,7 +251,7 @@ def header(result: dict[str, Any]) -> str:
         f"interleaved rounds (order rotated) after {m['warmup_rounds']} warm-up; medians (± half the IQR); "
         "× = median of per-round ratios. Activation and peak total: `trainer.core.step.StepMeter` (a run's "
         f"memory/activation_peak_mib and memory/peak_total_mib{peak}). FLOPs: "
-        "`trainer.measure.flops.count_flops` over the "
+        "`trainer.measure.time.flops.count_flops` over the "
         "step (recompute included). est.: `trainer.estimate` for the same config on fake tensors."
         + head_text
         + " Lightning: one `Trainer.fit` of the same `DecoderModule` on a fixed in-memory batch (no logger, "
@@ -261,7 +261,7 @@ def header(result: dict[str, Any]) -> str:
         "the same module, as policy=auto takes it at fit start: block times scaled to the whole stack's; "
         "`PeakModel.step_ms` of the plan; the median over a profile before the timed rounds and one after each); "
         "roofline = the predicted source (the estimator's fake-tensor step costed "
-        f"by `trainer.measure.steptime` for {result['sections'][0].get('speed', 'this device')}).{not_run}"
+        f"by `trainer.measure.time.roofline` for {result['sections'][0].get('speed', 'this device')}).{not_run}"
     )
 
 

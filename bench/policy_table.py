@@ -15,7 +15,7 @@ dropout masks:
 * activation peak: `trainer.core.step.StepMeter` over one `trainer.core.step.bare_step` (the step as Lightning runs it):
   the figure train.py logs as memory/activation_peak_mib (saved activations, recompute, the SAC cache, autocast weight
   copies; gradient buffers and the training state left out);
-* FLOPs: `trainer.measure.flops.count_flops` over one more step (forward + backward, recompute included).
+* FLOPs: `trainer.measure.time.flops.count_flops` over one more step (forward + backward, recompute included).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def header(out: dict[str, Any], command: str = COMMAND) -> str:
         f"{fwd}. One `DecoderModule`, one batch of random tokens; per policy (parameters from conf/policy/) one "
         "`trainer.core.step.bare_step`, the step as Lightning runs it. Activation peak: `trainer.core.step.StepMeter` "
         "(train.py's memory/activation_peak_mib: gradient buffers and the training state left out). FLOPs: "
-        "`trainer.measure.flops.count_flops` over the step (recompute included; torch's checkpoint early stop skips "
+        "`trainer.measure.time.flops.count_flops` over the step (recompute included; "
+        "torch's checkpoint early stop skips "
         "each "
         f"region's trailing ops that nothing saves).{not_run}"
     )

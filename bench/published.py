@@ -36,7 +36,8 @@ from trainer.core.schema import compose_config
 from trainer.estimate import measure, open_session
 from trainer.formatting import markdown_table
 from trainer.measure.gpus import find_gpu
-from trainer.measure.steptime import OpTrace, Speed, gpu_speed
+from trainer.measure.time.op_trace import OpTrace
+from trainer.measure.time.roofline import Speed, gpu_speed
 from trainer.policies import apply_policy, build_policy
 
 COMMAND = "python -m bench.published"

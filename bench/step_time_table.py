@@ -8,7 +8,7 @@ What `python -m trainer.estimate model=llama3-8b seq_len=4096 batch_size=1 --gpu
 prints, made by the estimator's library in one process: one fake-tensor session for `--device cuda`
 (`trainer.estimate.open_session`), every registered policy with its conf/policy defaults on it
 (`trainer.estimate.estimate_all`, in two processes), and each estimate's traced work costed by the roofline
-(`trainer.measure.steptime`) for each GPU. Fake tensors throughout: no GPU and no memory, on a CPU in well under
+(`trainer.measure.time.roofline`) for each GPU. Fake tensors throughout: no GPU and no memory, on a CPU in well under
 a minute on two cores. Nothing is timed here, so the figures repeat on any machine with the same torch.
 
 The first table is the docs' (policy, plan, FLOPs × none, each GPU's step ms and tokens/s); the second says where
@@ -33,7 +33,7 @@ from trainer.estimate import Estimate, estimate_all, open_session
 from trainer.estimate.tables import quiet_policy_notices
 from trainer.formatting import markdown_table
 from trainer.measure.gpus import Gpu, find_gpu
-from trainer.measure.steptime import StepTime, gpu_speed
+from trainer.measure.time.roofline import StepTime, gpu_speed
 
 START, END = "<!-- step-time-table:start -->", "<!-- step-time-table:end -->"
 HEADING = "## Predicted step time per policy"
@@ -117,7 +117,7 @@ def header(out: dict[str, Any], command: str) -> str:
         f"`{c.model.name}` ({d['family']}: L={d['n_layer']}, d={d['n_embd']}, {d['n_head']} heads ({d['n_kv_head']} "
         f"key/value), vocab {d['vocab_size']}, {d['params']:,} parameters) at {c.batch_size} × {c.seq_len} tokens, "
         f"accum {c.accum}, {none.precision}, AdamW, the {none.loss} head; every policy with its conf/policy "
-        f"defaults, predicted on {names} by the roofline (`trainer.measure.steptime`). {holds}{left}"
+        f"defaults, predicted on {names} by the roofline (`trainer.measure.time.roofline`). {holds}{left}"
     )
 
 

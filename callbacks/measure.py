@@ -34,7 +34,7 @@ import torch
 from trainer.core.step import StepMeter
 from trainer.formatting import MIB
 from trainer.measure import metrics as M
-from trainer.measure.memory import cuda_memory_counters, reset_cuda_peaks
+from trainer.measure.memory.tracker import cuda_memory_counters, reset_cuda_peaks
 
 # The tags this callback logs, each optimizer step (the CUDA ones on CUDA only).
 LOGGED = frozenset({M.TRAIN_LOSS, M.TRAIN_LR, M.STEP_MS, M.TOKENS_PER_S, M.ACTIVATION_PEAK, M.PEAK_TOTAL, *M.CUDA_TAGS})

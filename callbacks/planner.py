@@ -90,14 +90,14 @@ class AutoPlanCallback(L.Callback):
     def _plan_compiled(self, pl_module: L.LightningModule) -> PlanResult:
         """Under trainer.compile=true: the plan the estimator makes for this run's configuration, each block profiled
         as inductor compiles it, on fake tensors (a dispatch mode cannot watch a real compiled block: dynamo would run
-        it eagerly), its times predicted for this device (trainer.measure.speeds.speed_here)."""
+        it eagerly), its times predicted for this device (trainer.measure.time.calibration.speed_here)."""
         if self.config is None:
             raise PolicyError(
                 "policy auto under trainer.compile=true plans from the run's configuration; build its callbacks with "
                 "policy.callbacks(config)"
             )
         from trainer.estimate import plan_result_for_config
-        from trainer.measure.speeds import speed_here
+        from trainer.measure.time.calibration import speed_here
 
         return plan_result_for_config(self.config, pl_module.device, fake=True, speed=speed_here(pl_module.device))
 

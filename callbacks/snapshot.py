@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import (
 )
 
 from trainer.core.step import training_state
-from trainer.measure.memory import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
+from trainer.measure.memory.tracker import BACKWARD, FORWARD, OPTIMIZER, LiveTensorTracker, plot_timeline
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.cpu_counter import CpuAllocationCounter
 from trainer import precision as precision_
 from trainer.core import build, step
 from trainer.core.schema import compose_config
-from trainer.measure.cpu_counter import CpuAllocationCounter
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory.tracker import LiveTensorTracker
 from trainer.policies import build_policy
 
 
@@ -101,7 +101,7 @@ def test_the_compiled_step_is_counted_as_the_allocator_counts_it(
     with a second count taken by wrapping the CPU allocator itself, over the same step; and `none`'s compiled
     figures are not eager's (inductor keeps fewer, fused intermediates).
 
-    The estimator's compiled step (trainer.measure.fake_compile: inductor's own compilation, its generated code run on
+    The estimator's compiled step (trainer.measure.fake.compiled: inductor's own compilation, its generated code run on
     fake tensors) against the same run: the activation and whole-step peaks to within 1 % (measured: to the byte)."""
     overrides = [*MODELS[family], *SHAPES, "trainer.compile=true"]
     compiled = _measured(overrides, policy, counter)
@@ -302,7 +302,7 @@ def _compiled_work(fn: Any, *shapes: tuple[int, ...]) -> Any:
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainer.measure.fake_compile import GraphOpTrace, fake_compiled_runtime, run_generated_code
+    from trainer.measure.fake.compiled import GraphOpTrace, fake_compiled_runtime, run_generated_code
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=functools.partial(compile_fx, inner_compile=run_generated_code))

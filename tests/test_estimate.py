@@ -153,7 +153,7 @@ def test_flops_equal_flop_counter_over_a_real_step(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], model: str
 ) -> None:
     from trainer.core import build
-    from trainer.measure.flops import count_flops
+    from trainer.measure.time.flops import count_flops
 
     config = validate(compose_cfg(*overrides(model, "fp32")))
     session = open_session(config)

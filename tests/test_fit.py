@@ -283,7 +283,7 @@ def test_the_fastest_first_list_costs_each_cell_at_its_own_world_size(direct: di
     not by the configured world's: each predicted time equals a direct estimate's at the cell's world size, and one
     policy's time differs between world sizes."""
     from trainer.estimate.cli import fit_times
-    from trainer.measure.steptime import gpu_speed
+    from trainer.measure.time.roofline import gpu_speed
 
     config = compose_config(SHAPE)
     h100 = load_catalogue()["H100-80GB"]

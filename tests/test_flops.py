@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import flop_counter as torch_flop_counter
 
-import trainer.measure.flops
-from trainer.measure.flops import count_flops, flop_counter
+import trainer.measure.time.flops
+from trainer.measure.time.flops import count_flops, flop_counter
 
 
 def test_linear_forward_and_backward() -> None:
@@ -50,7 +50,7 @@ def test_cpu_sdpa_forward_and_backward_are_counted() -> None:
 
 def test_registration_is_idempotent() -> None:
     before = dict(torch_flop_counter.flop_registry)
-    importlib.reload(trainer.measure.flops)
+    importlib.reload(trainer.measure.time.flops)
     assert torch_flop_counter.flop_registry == before
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward in before
 
@@ -58,7 +58,7 @@ def test_registration_is_idempotent() -> None:
 def test_the_moe_grouped_matmul_counts_its_flops() -> None:
     """An MoE layer's experts (12 routed tokens over 3 experts, K=8 → N=8): forward 2·M·K·N, and the weight
     gradient's 2-D × 2-D form, where the groups split the contraction, the same."""
-    from trainer.measure.flops import count_flops
+    from trainer.measure.time.flops import count_flops
 
     a, b = torch.randn(12, 8), torch.randn(3, 8, 8)
     offs = torch.tensor([4, 8, 12], dtype=torch.int32)

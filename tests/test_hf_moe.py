@@ -1,6 +1,6 @@
 """Mixture-of-Experts models in the estimator: transformers runs their experts as grouped matmuls
 (`aten._grouped_mm`), whose fake kernel refuses fp32; within the estimate the CPU kernel's own output is made
-(trainer/measure/fake_kernels.py), so an MoE model's fp32 estimate equals its run as a dense model's does
+(trainer/measure/fake/kernels.py), so an MoE model's fp32 estimate equals its run as a dense model's does
 (tests/test_estimate.py). Tiny random-weight configs saved to a temp folder, no network."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.test_estimate import RUN, _with_policy, assert_estimate_equals_run
 from trainer.core.run import train
 from trainer.core.schema import ConfigError, validate
 from trainer.estimate import measure, open_session
-from trainer.measure.fake_kernels import cpu_kernel_rules
+from trainer.measure.fake.kernels import cpu_kernel_rules
 from trainer.policies import build_policy
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from models.adapter import adapter_for
 from tests.conftest import NATIVE_FAMILIES
 from trainer.core.schema import compose_config
 from trainer.loss import LossConfig, head_loss
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory.tracker import LiveTensorTracker
 
 V, T, B = 1000, 24, 3
 # fp32: the heads sum the same per-token losses in another order: ≤ 1e-6 relative. bf16 autocast: the head weight's

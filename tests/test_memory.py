@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from trainer.measure.memory import (
+from trainer.measure.memory.tracker import (
     MIB,
     LiveTensorTracker,
     TimelinePoint,
@@ -258,6 +258,25 @@ def test_enter_and_exit_from_separate_calls_and_fresh_window() -> None:
     assert t.live_bytes == 0
 
 
+def test_storage_resize_is_tracked_only_while_a_tracker_is_active() -> None:
+    """FSDP2 frees and refills its unsharded parameters with UntypedStorage.resize_, which no dispatch mode sees: the
+    tracker wraps torch's method while it is active (and counts the resize), and gives torch's own back on exit."""
+    torchs = torch.UntypedStorage.resize_
+    storage = torch.empty(0).untyped_storage()  # empty, as FSDP2 leaves an unsharded parameter between uses
+    outer, inner = LiveTensorTracker(), LiveTensorTracker()
+    with outer:
+        assert torch.UntypedStorage.resize_ is not torchs
+        with inner:
+            storage.resize_(1024)
+        assert inner.peak_bytes == inner.live_bytes == 1024
+        assert torch.UntypedStorage.resize_ is not torchs  # the outer tracker is still active
+        storage.resize_(0)
+    assert torch.UntypedStorage.resize_ is torchs
+    assert outer.peak_bytes == 1024 and outer.live_bytes == 0
+    storage.resize_(512)  # outside any window: nothing counts it
+    assert outer.live_bytes == 0
+
+
 def test_exit_with_another_mode_on_top_is_refused() -> None:
     outer = LiveTensorTracker()
     inner = LiveTensorTracker()
@@ -331,7 +350,7 @@ def test_adopted_storages_count_until_freed_and_marks_bound_the_replay() -> None
 
 
 def test_the_allocator_model_rounds_pools_and_segments_as_torchs() -> None:
-    from trainer.measure.allocator import CachingAllocator
+    from trainer.measure.memory.caching_allocator import CachingAllocator
 
     a = CachingAllocator()
     small = a.malloc(100)  # rounded to 512 bytes, in a fresh 2 MiB small-pool segment
@@ -349,7 +368,7 @@ def test_the_allocator_model_rounds_pools_and_segments_as_torchs() -> None:
 
 
 def test_the_allocator_model_fragments_and_merges() -> None:
-    from trainer.measure.allocator import CachingAllocator
+    from trainer.measure.memory.caching_allocator import CachingAllocator
 
     a = CachingAllocator()
     x = a.malloc(100 * MIB)
@@ -369,7 +388,7 @@ def test_the_allocator_model_fragments_and_merges() -> None:
 
 def test_a_replayed_step_reuses_last_steps_blocks() -> None:
     """Replayed twice, a step whose gradients replace last step's reserves what one step needs, not two."""
-    from trainer.measure.allocator import replay
+    from trainer.measure.memory.caching_allocator import replay
 
     params, grad_old = 0, 1
     events = [(params, 100 * MIB), (grad_old, 100 * MIB)]  # adopted: the state before the step
@@ -383,7 +402,7 @@ def test_a_replayed_step_reuses_last_steps_blocks() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the model with torch's allocator")
 def test_the_allocator_model_reserves_what_torchs_reserves() -> None:
     """The same allocation sequence on this GPU and in the model: the same reserved and allocated peaks."""
-    from trainer.measure.allocator import CachingAllocator
+    from trainer.measure.memory.caching_allocator import CachingAllocator
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

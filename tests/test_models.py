@@ -16,7 +16,7 @@ from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from tests.conftest import CONF, NATIVE_FAMILIES
 from trainer.core.schema import validate
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory.tracker import LiveTensorTracker
 from trainer.policies import apply_policy
 
 

@@ -111,7 +111,7 @@ def test_fake_profiles_are_timed_by_the_step_time_model() -> None:
     SAC its decisions; the same profile twice gives the same times."""
     from trainer.core.schema import compose_config
     from trainer.estimate import plan_result_for_config
-    from trainer.measure.steptime import Speed
+    from trainer.measure.time.roofline import Speed
 
     speed = Speed(
         name="flat",

@@ -36,8 +36,8 @@ from models.adapter import adapter_for
 from models.gpt import GPT, GPTConfig
 from tests.conftest import NATIVE_FAMILIES
 from trainer import policies
-from trainer.measure.flops import count_flops
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.measure.time.flops import count_flops
 from trainer.policies import (
     DEFAULT_SAC_SAVE_OPS,
     POLICIES,

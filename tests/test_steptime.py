@@ -13,9 +13,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.errors import ConfigError
-from trainer.measure import speeds, steptime
 from trainer.measure.gpus import Gpu, load_catalogue
-from trainer.measure.steptime import OpKey, OpTrace, Speed, Work
+from trainer.measure.time import calibration, collectives, roofline
+from trainer.measure.time.op_trace import OpKey, OpTrace, Work
+from trainer.measure.time.roofline import Speed
 
 
 def _trace(fn) -> Work:  # type: ignore[no-untyped-def]
@@ -93,21 +94,24 @@ def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_ex
     all-gathered for the forward, the layers again for the backward, every gradient reduce-scattered; the first
     all-gather of each pass and the last reduce-scatter are exposed, the rest hides behind compute up to its
     length."""
-    c = steptime.Collectives.fsdp2([100, 100, 100], 50, world=4, param_bytes=2, reduce_bytes=4, micro_batches=2)
+    c = collectives.Collectives.fsdp2([100, 100, 100], 50, world=4, param_bytes=2, reduce_bytes=4, micro_batches=2)
     per_micro = (350 * 2 + 300 * 2 + 350 * 4) * 3 / 4
     assert c.sent_bytes == int(per_micro) * 2
     assert c.exposed_bytes == int(((50 + 100) * 2 + 100 * 2 + (50 + 100) * 4) * 3 / 4) * 2
     assert (
-        steptime.Collectives.fsdp2([100], 50, world=1, param_bytes=2, reduce_bytes=4, micro_batches=1).sent_bytes == 0
+        collectives.Collectives.fsdp2([100], 50, world=1, param_bytes=2, reduce_bytes=4, micro_batches=1).sent_bytes
+        == 0
     )
     speed = Speed("t", {"fp32": ((1.0, 1e9),)}, {"memory": ((1.0, 1e9),)}, 0.0, 0.0, 0.0, gpu_link=1e9, overlapped=True)
     work = Work()
     work.ops[OpKey("matmul", "fp32", 10_000_000, 0)] = 1  # 10 ms of compute
-    work.collectives = steptime.Collectives(sent_bytes=8_000_000, exposed_bytes=1_000_000)  # 8 ms, 1 ms exposed
+    work.collectives = collectives.Collectives(sent_bytes=8_000_000, exposed_bytes=1_000_000)  # 8 ms, 1 ms exposed
     t = speed.predict(work)
     assert t.collective_ms == pytest.approx(8.0) and t.exposed_collective_ms == pytest.approx(1.0)
     assert t.ms == pytest.approx(11.0)
-    work.collectives = steptime.Collectives(sent_bytes=15_000_000, exposed_bytes=1_000_000)  # more than compute hides
+    work.collectives = collectives.Collectives(
+        sent_bytes=15_000_000, exposed_bytes=1_000_000
+    )  # more than compute hides
     assert speed.predict(work).ms == pytest.approx(10.0 + 1.0 + (14.0 - 10.0))
     assert Speed("cpu", speed.matmul, speed.bandwidth, 0.0, 0.0, 0.0).predict(work).ms == pytest.approx(10.0)
 
@@ -134,53 +138,53 @@ def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move() -> N
             session.close()
         c = est.work.collectives
         param = 2 if mode == "fsdp2" else 4
-        expected = steptime.Collectives.fsdp2(layers, total - sum(layers), 2, param, 4, 1)
+        expected = collectives.Collectives.fsdp2(layers, total - sum(layers), 2, param, 4, 1)
         assert c == expected and c.sent_bytes > 0
         sent[mode] = c.sent_bytes
-        t = est.step_time(steptime.gpu_speed(load_catalogue()["H100-80GB"]))
+        t = est.step_time(roofline.gpu_speed(load_catalogue()["H100-80GB"]))
         assert t.collective_ms > 0 and t.exposed_collective_ms > 0
     assert sent["fsdp2"] < sent["autocast"]
 
 
 def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:
     curve = ((1e3, 1e9), (1e5, 1e11))
-    assert steptime._rate(curve, 1e4) == pytest.approx(1e10)
-    assert steptime._rate(curve, 10) == 1e9 and steptime._rate(curve, 1e9) == 1e11
+    assert roofline._rate(curve, 1e4) == pytest.approx(1e10)
+    assert roofline._rate(curve, 10) == 1e9 and roofline._rate(curve, 1e9) == 1e11
 
 
 def test_a_catalogue_gpu_states_its_assumptions() -> None:
     gpus = load_catalogue()
-    speed = steptime.gpu_speed(gpus["H100-80GB"], fp32_matmul="fp32")
-    assert speed.overlapped and speed.matmul["bf16"][0][1] == pytest.approx(989e12 * steptime.GPU_MATMUL_EFFICIENCY)
+    speed = roofline.gpu_speed(gpus["H100-80GB"], fp32_matmul="fp32")
+    assert speed.overlapped and speed.matmul["bf16"][0][1] == pytest.approx(989e12 * roofline.GPU_MATMUL_EFFICIENCY)
     text = speed.describe()
     assert "60% of peak" in text and "80% of 3.35 TB/s" in text and "FSDP2 collectives at 80% of 450 GB/s" in text
-    assert speed.gpu_link == pytest.approx(450e9 * steptime.GPU_LINK_EFFICIENCY)
-    assert "collectives not costed" in steptime.gpu_speed(Gpu("bare", 2**30, 1e12, {"bf16": 1.0})).describe()
+    assert speed.gpu_link == pytest.approx(450e9 * roofline.GPU_LINK_EFFICIENCY)
+    assert "collectives not costed" in roofline.gpu_speed(Gpu("bare", 2**30, 1e12, {"bf16": 1.0})).describe()
     with pytest.raises(ValueError, match="needs tflops and bandwidth"):
-        steptime.gpu_speed(Gpu("bare", 2**30))
-    assert speeds.speed_for("cuda").name == speeds.REFERENCE_GPU
-    assert speeds.speed_for("cuda", "l4-24gb").name == "L4-24GB"
+        roofline.gpu_speed(Gpu("bare", 2**30))
+    assert calibration.speed_for("cuda").name == calibration.REFERENCE_GPU
+    assert calibration.speed_for("cuda", "l4-24gb").name == "L4-24GB"
     with pytest.raises(ConfigError, match="not in the GPU catalogue; choose from"):
-        speeds.speed_for("cuda", "Z9000")
+        calibration.speed_for("cuda", "Z9000")
     with pytest.raises(ConfigError, match="--gpu bare: the catalogue entry needs tflops and bandwidth"):
-        speeds.speed_for("cuda", Gpu("bare", 2**30))
+        calibration.speed_for("cuda", Gpu("bare", 2**30))
 
 
 def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(speeds, "_CPU", {})
-    speed = speeds.cpu_speed()
+    monkeypatch.setattr(calibration, "_CPU", {})
+    speed = calibration.cpu_speed()
     files = list((tmp_path / "ckptlab").glob("cpu-speed-*.json"))
     assert len(files) == 1 and "measured now" in speed.describe()
     doc = json.loads(files[0].read_text())
     assert doc["threads"] == torch.get_num_threads() and set(doc["matmul"]) == {"fp32", "bf16"}
     assert set(doc["bandwidth"]) == {"memory", "math", "random"} and doc["op_s"] > 0 and doc["sac_s"] > 0
-    monkeypatch.setattr(speeds, "_CPU", {})
-    again = speeds.cpu_speed()
+    monkeypatch.setattr(calibration, "_CPU", {})
+    again = calibration.cpu_speed()
     assert "(cached)" in again.describe() and again.matmul == speed.matmul
     files[0].write_text(json.dumps({**doc, "matmul": None}))  # edited by hand: measured anew, not a traceback
-    monkeypatch.setattr(speeds, "_CPU", {})
-    assert "measured now" in speeds.cpu_speed().describe()
+    monkeypatch.setattr(calibration, "_CPU", {})
+    assert "measured now" in calibration.cpu_speed().describe()
     assert json.loads(files[0].read_text())["matmul"] is not None
 
 
@@ -196,14 +200,15 @@ def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:
 
 
 def test_sac_decisions_survive_a_reload_of_the_flops_module() -> None:
-    """tests/test_flops.py reloads trainer.measure.flops (its registration must be idempotent). When the counter was
+    """tests/test_flops.py reloads trainer.measure.time.flops
+    (its registration must be idempotent). When the counter was
     a dict imported by value, a reload earlier in the same worker left the step-time model reading a stale one: no
     decision counted, and the op_sac test above failed or passed by which tests shared a worker."""
     import importlib
 
-    import trainer.measure.flops
+    import trainer.measure.time.flops
 
-    importlib.reload(trainer.measure.flops)
+    importlib.reload(trainer.measure.time.flops)
     test_op_sac_decisions_are_counted_and_full_makes_none()
 
 
@@ -236,7 +241,7 @@ def test_causal_attention_is_timed_at_the_flops_its_kernel_runs() -> None:
     q, k, v = (torch.randn(2, 4, s, 16, requires_grad=True) for _ in range(3))
 
     def matmul_flops(causal: bool) -> tuple[int, int]:
-        with steptime.OpTrace() as t:
+        with OpTrace() as t:
             F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
         return sum(key.flops * n for key, n in t.work.ops.items() if key.kind == "matmul"), t.total
 
@@ -251,7 +256,7 @@ def test_bytes_moved_count_each_input_once_gathers_by_row_and_in_place_writes() 
     the table; nll_loss one log-probability per target; `_foreach_add_` (which returns nothing) writes its lists."""
 
     def moved(fn: Any) -> int:
-        with steptime.OpTrace() as t:
+        with OpTrace() as t:
             fn()
         return sum(k.nbytes * n for k, n in t.work.ops.items())
 
@@ -268,12 +273,13 @@ def test_bytes_moved_count_each_input_once_gathers_by_row_and_in_place_writes() 
 
 
 def test_a_cpu_times_each_op_at_its_shapes_once_and_keeps_it(tmp_path: Path) -> None:
-    """trainer.measure.speeds.OpClock: an op traced on fake tensors is replayed once on real ones of its dtypes,
+    """trainer.measure.time.calibration.OpClock:
+    an op traced on fake tensors is replayed once on real ones of its dtypes,
     shapes and strides, the RNG left as it was (a replayed dropout draws nothing the run would draw); the time is kept
     on disk and read back by the next clock; an op too large to time, or one that reads a value back, is priced by
     the roofline instead (None)."""
-    from trainer.measure.replay import recipe
-    from trainer.measure.speeds import OpClock
+    from trainer.measure.time.calibration import OpClock
+    from trainer.measure.time.op_replay import recipe
 
     with FakeTensorMode():
         work = _trace(lambda: torch.ones(256, 512).bernoulli_(0.5) @ torch.ones(512, 128).t().contiguous().t())

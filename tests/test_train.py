@@ -241,7 +241,8 @@ def test_policies_compose_with_torch_compile(tmp_path: Path) -> None:
     # the compiled run's memory is what its compiled step allocated (the tracker would have run it eagerly), said so
     assert a["memory_counted_by"] == metrics.COUNTED_LIVE_TENSORS
     assert b["memory_counted_by"] == metrics.COUNTED_ALLOCATOR and b["activation_peak_mib"] > 0
-    # and the run predicted its compiled step (trainer.measure.fake_compile), the errors beside what it measured: within
+    # and the run predicted its compiled step (trainer.measure.fake.compiled),
+    # the errors beside what it measured: within
     # 1 % (tests/test_compiled.py: to the byte in fp32 and in bf16, oneDNN's matmul workspaces counted)
     assert b.get(metrics.PREDICTION_NOTE) is None, b.get(metrics.PREDICTION_NOTE)
     assert abs(b["activation_peak_error"]) <= 0.01 and abs(b["peak_total_error"]) <= 0.01, b

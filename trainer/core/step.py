@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.measure.allocations import AllocatorRecorder
-from trainer.measure.memory import LiveTensorTracker
+from trainer.measure.memory.allocator_events import AllocatorRecorder
+from trainer.measure.memory.tracker import LiveTensorTracker
 
 # Labels of what the tracker holds at a moment (StepMeter with regions on): the training state...
 PARAMETERS, LAST_GRADIENTS, OPTIMIZER_STATE, GRADIENTS = "parameters", "last_gradients", "optimizer_state", "gradients"
@@ -76,7 +76,8 @@ class StepMeter:
     `regions=True` labels every storage with what made it (forward hooks on the layers, a tensor hook for the end
     of the head's backward), for the estimator's breakdown; hooks allocate nothing, so the figures are the same.
 
-    `compiled=True` counts what the allocator hands out (trainer.measure.allocations) instead of tracking dispatched
+    `compiled=True` counts what the allocator hands out
+    (trainer.measure.memory.allocator_events) instead of tracking dispatched
     ops: under the tracker's dispatch mode dynamo would run a compiled model eagerly. Same figures, same points; no
     regions (the allocator does not say what a block is for).
     """

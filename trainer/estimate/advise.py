@@ -17,7 +17,7 @@ from trainer.estimate.fit import fit_table
 from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session, sharded_world
 from trainer.formatting import MIB
 from trainer.measure.gpus import Gpu, Reserve
-from trainer.measure.steptime import Speed
+from trainer.measure.time.roofline import Speed
 from trainer.policies import POLICIES, build_policy
 
 
@@ -90,7 +90,7 @@ def advise(
     speed: Speed | None = None,
 ) -> list[Advice]:
     """Every priced change, those that fit first, each group ordered by compute. `speed`: the device `policy=auto`
-    plans its step times for (the estimate's `--gpu`; None: the device's default, trainer.measure.steptime)."""
+    plans its step times for (the estimate's `--gpu`; None: the device's default, trainer.measure.time.roofline)."""
     config, base = session.config, est.flops
     rows: list[Advice] = []
     usable = session.release_group()  # the changes below open sessions of their own, FSDP2's among them

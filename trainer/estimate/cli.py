@@ -22,8 +22,8 @@ from trainer.estimate.session import Estimate, Session, estimate_device, group_l
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table, mib
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
-from trainer.measure.speeds import REFERENCE_GPU, speed_for
-from trainer.measure.steptime import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
+from trainer.measure.time.calibration import REFERENCE_GPU, speed_for
+from trainer.measure.time.roofline import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
 from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -75,7 +75,9 @@ def render(
         "(* the configured policy; the others with their conf/policy defaults)",
     ]
     if speed is not None:
-        lines += [f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.steptime:"]
+        lines += [
+            f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.time.roofline:"
+        ]
         lines += [f"  assumption: {a}" for a in speed.assumptions]
         c = est.work.collectives
         if c.sent_bytes:
@@ -288,7 +290,7 @@ def render_fit_by_time(fit: FitTable, times: dict[tuple[str, str], StepTime], to
     header = ("GPU", "policy", "world size", "predicted step ms per rank", "predicted tokens/s, all ranks")
     return "\n".join(
         [
-            "where it fits, fastest first (predicted, not measured: trainer.measure.steptime's roofline at the "
+            "where it fits, fastest first (predicted, not measured: trainer.measure.time.roofline's roofline at the "
             "catalogue's "
             f"peaks × {GPU_MATMUL_EFFICIENCY:.0%} matmul, × {GPU_BANDWIDTH_EFFICIENCY:.0%} bandwidth; collectives "
             "not costed):",

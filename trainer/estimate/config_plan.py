@@ -16,7 +16,7 @@ from trainer.core.schema import Config
 from trainer.errors import PolicyError
 from trainer.estimate.session import Session, measure, open_session
 from trainer.formatting import MIB
-from trainer.measure.steptime import Speed
+from trainer.measure.time.roofline import Speed
 from trainer.planner import PlanResult, choose, default_optimizer, head_candidates, plan_model, solve_profile
 from trainer.policies import Plan, Policy, build_policy
 
@@ -25,7 +25,8 @@ def plan_module(
     config: Config, module: DecoderModule, policy: Policy, batch: Any, precision: str, speed: Speed | None = None
 ) -> PlanResult:
     """The planner on a built module and one micro-batch, with the run's optimizer kind, groups and clipping; on
-    fake tensors its times are predicted for `speed` (default: trainer.measure.speeds.speed_for the device)."""
+    fake tensors its times are predicted for `speed` (default:
+    trainer.measure.time.calibration.speed_for the device)."""
     policy.check(module.adapter.n_layer, module.adapter.attention)
     return plan_model(
         module.model,
@@ -48,7 +49,7 @@ def plan_result_for_config(
     """`plan_model` on the configured model (seeded init, as a run builds it) and a random micro-batch of the
     configured shape (precision `auto` settled as a run settles it). `fake`: on fake tensors (the estimator's
     session), so a model of any size is planned without its memory: bytes are as measured, times are predicted
-    for `speed` (trainer.measure.steptime). Under trainer.compile=true always on fake tensors: a compiled block is
+    for `speed` (trainer.measure.time.roofline). Under trainer.compile=true always on fake tensors: a compiled block is
     measured as the estimator compiles it (its generated code on fake tensors), which real tensors cannot run."""
     policy = build_policy(config.policy)
     if not policy.planned_first:

@@ -7,6 +7,10 @@ Devices. The fake tensors live on the device the run would use: with a CUDA devi
 CUDA's kernels, dropout masks and autocast rules. Without one (or with `--device cuda` on a CPU-only torch), the
 figures follow the CPU kernels, translated for `--device cuda` by one stated rule per kernel whose bytes differ on
 CUDA (see `CudaKernelRules`); what no rule translates is named in the output.
+
+Near tools: `torch.distributed._tools.FSDPMemTracker` and `SACEstimator` estimate FSDP2 memory and SAC trade-offs on
+fake tensors per module; this session steps the run's own LightningModule (policy, loss head, precision plugin,
+optimizer) as Lightning steps it, so its figures are the run's to the byte on CPU.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from trainer.core.module import explain_group_stand_ins
 from trainer.core.schema import Config, ConfigError, model_vocab
 from trainer.errors import PolicyError
 from trainer.loss import LossConfig
-from trainer.measure.allocator import replay
-from trainer.measure.steptime import Collectives, OpTrace, Speed, StepTime, Work
+from trainer.measure.fake.process_group import fake_mesh
+from trainer.measure.memory.caching_allocator import replay
+from trainer.measure.time.collectives import Collectives
+from trainer.measure.time.op_trace import OpTrace, Work
+from trainer.measure.time.roofline import Speed, StepTime
 from trainer.policies import Policy, apply_policy, build_policy
 from trainer.policies.library import draws_dropout
 from trainer.policies.offload import HostLedger, offload_to_ledger
@@ -134,14 +141,15 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     total_peak_at: str = ""  # what the op that set the step's peak belongs to ("layer 3", "backward", "optimizer")
     host_pinned_bytes: int = 0  # offload's copies in pinned host memory at most (per rank; --device cuda)
-    work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.measure.steptime)
+    work: Work = field(default_factory=Work)  # the step's ops, for the step-time model (trainer.measure.time.roofline)
     tokens: int = 0  # per optimizer step, per rank
-    # --device cuda: the caching allocator's reserved peak for this step (trainer/measure/allocator.py), what
+    # --device cuda: the caching allocator's reserved peak for this step
+    # (trainer/measure/memory/caching_allocator.py), what
     # torch.cuda.max_memory_reserved() reports and trainers print; None for a CPU estimate
     reserved_bytes: int | None = None
 
     def step_time(self, speed: Speed) -> StepTime:
-        """The step's predicted time on `speed`'s device (trainer.measure.steptime)."""
+        """The step's predicted time on `speed`'s device (trainer.measure.time.roofline)."""
         return speed.predict(self.work)
 
     @property
@@ -230,10 +238,10 @@ class Session:
 @contextlib.contextmanager
 def _real_semantics(config: Config) -> Iterator[None]:
     """Rules for fake tensors that differ from the real run: CPU kernels whose fake output torch gets wrong (the MoE
-    grouped matmul: trainer/measure/fake_kernels.py), and a library's own (models/hf.py: as_on_real_tensors). Not the
+    grouped matmul: trainer/measure/fake/kernels.py), and a library's own (models/hf.py: as_on_real_tensors). Not the
     library's under trainer.compile=true: a compiled run's model code runs while dynamo traces it, on fake tensors
     too, so it takes the path fake tensors take (transformers builds its explicit attention mask there)."""
-    from trainer.measure.fake_kernels import cpu_kernel_rules
+    from trainer.measure.fake.kernels import cpu_kernel_rules
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cpu_kernel_rules())
@@ -371,7 +379,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "
             "estimate trainer.compile=true without FSDP2, or FSDP2 without compile"
         )
-    mesh, group = _fake_mesh(world, fake_device) if world > 1 else (None, None)
+    mesh, group = fake_mesh(world, fake_device) if world > 1 else (None, None)
     if mesh is not None:
         notes.append(
             f"trainer=fsdp2: one rank of {world} (a fake process group): parameters, gradients and AdamW state "
@@ -471,27 +479,6 @@ def sharded_world(config: Config) -> int:
     return t.devices * t.num_nodes
 
 
-def _fake_mesh(world: int, device_type: str) -> tuple[Any, Any]:
-    """A device mesh over `world` ranks of torch's fake process group (collectives that move nothing), and the
-    group to destroy after. Outside a run, this process becomes rank 0 of a fake default group. Inside a run (its
-    own prediction: the default group is the run's), a fake group over the run's ranks, each rank its own share;
-    the run's group is left untouched."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("data_parallel",)), dist.GroupMember.WORLD
-    if dist.get_world_size() != world:
-        raise ConfigError(
-            f"trainer=fsdp2 estimate of {world} ranks inside a process group of {dist.get_world_size()}: estimate "
-            f"it outside the run (python -m trainer.estimate ... trainer.devices={world})"
-        )
-    group = dist.new_group(backend="fake")  # every rank predicts, so every rank makes it, in the same order
-    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("data_parallel",)), group
-
-
 def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """`module.to(dtype)` for a module of fake tensors. nn.Module._apply swaps a tensor subclass's payload in place,
     which fake tensors refuse (their mode holds weak references to them); this assigns converted parameters (ties
@@ -528,7 +515,7 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
                 explain_group_stand_ins(module.model)  # sharded as a run shards: torch's view warning, explained
             plan = module.model.activation_plan
             if compiled:
-                from trainer.measure import fake_compile as compiled_
+                from trainer.measure.fake import compiled as compiled_
 
                 stack.enter_context(compiled_.fake_compiled_runtime())
                 compiled_.compile_model(module.model, policy.compile_backend(compiled_.run_generated_code))
@@ -624,7 +611,7 @@ def group_labels(by_label: dict[str, int]) -> dict[str, int]:
 
 def _components(session: Session, figures: step_.StepFigures) -> dict[str, int]:
     """The training state's bytes on this rank (a sharded parameter counts its local shard) and the two figures."""
-    from trainer.measure.memory import local_tensors
+    from trainer.measure.memory.tracker import local_tensors
 
     def nbytes(tensors: Any) -> int:
         storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in local_tensors(tensors)}

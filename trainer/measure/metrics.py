@@ -58,7 +58,8 @@ PREDICTED_PEAK_TOTAL_KEY = "predicted_peak_total_mib"
 PREDICTED_PEAK_RESERVED_KEY = "predicted_peak_reserved_mib"
 PREDICTION_NOTE = "prediction_note"  # why a run has no prediction (the estimator's one line)
 # How the run's memory figures were counted: the live-tensor tracker (dispatched ops) or, under torch.compile, what
-# the allocator handed out (trainer.measure.allocations: a dispatch mode would make dynamo run the step eagerly).
+# the allocator handed out
+# (trainer.measure.memory.allocator_events: a dispatch mode would make dynamo run the step eagerly).
 MEMORY_COUNTED_BY = "memory_counted_by"
 COUNTED_LIVE_TENSORS, COUNTED_ALLOCATOR = "live tensors (eager step)", "allocator (compiled step)"
 PREDICTED_TAGS = {

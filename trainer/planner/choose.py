@@ -16,7 +16,7 @@ from torch import nn
 from models.adapter import adapter_for
 from trainer.errors import PolicyError
 from trainer.formatting import MIB
-from trainer.measure.steptime import Speed
+from trainer.measure.time.roofline import Speed
 from trainer.planner.explain import PlanResult, refusal
 from trainer.planner.peak import PeakModel, Profile
 from trainer.planner.profiler import profile

@@ -13,6 +13,11 @@ blocks 0..i keep, not with everything, and the forward, where last step's gradie
 its own. The solver is exact for this model: a dynamic programme over blocks whose state is (bytes kept in
 forward, bytes kept to backward, bytes prefetched) of the blocks so far, keeping the fastest partial plan per
 state; every constraint depends only on those sums, so nothing optimal is ever dropped.
+
+Near tool: `torch.distributed._tools.sac_ilp` chooses per-module SAC as a mixed-integer programme (through PuLP) over
+`SACEstimator`'s statistics; ours chooses a treatment per block (none, full, selective, op_sac, offload, ...) under a
+whole-step peak model and solves it exactly with no solver dependency, so the plan it prints is the one the run
+checks.
 """
 
 from __future__ import annotations

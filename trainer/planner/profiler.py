@@ -11,7 +11,7 @@ measuring callback reports as `peak_total_mib`):
   flight, its parameters' new gradients); and its forward and backward time (the median of `repeats` rounds after
   `warmup`, each round running every treatment once, order rotated), measured once per group of blocks of identical
   structure, whose bytes and times are identical too; on fake tensors the times are the step-time model's
-  prediction (trainer.measure.steptime) for the device the estimate is for;
+  prediction (trainer.measure.time.roofline) for the device the estimate is for;
 * the rest of the model (embedding and loss head) in the same way, with the block stack cut out, once per loss
   head the planner may choose;
 * the training state: parameters and buffers, gradients, optimizer state (a throw-away optimizer of the run's
@@ -36,10 +36,11 @@ from torch import nn
 from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.core.step import optimizer_phase
-from trainer.measure.fake_compile import GraphOpTrace, GraphTracker, fake_compiled_runtime, run_generated_code
-from trainer.measure.memory import LiveTensorTracker
-from trainer.measure.speeds import speed_for
-from trainer.measure.steptime import OpTrace, Speed, trace
+from trainer.measure.fake.compiled import GraphOpTrace, GraphTracker, fake_compiled_runtime, run_generated_code
+from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.measure.time.calibration import speed_for
+from trainer.measure.time.op_trace import OpTrace, trace
+from trainer.measure.time.roofline import Speed
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 
@@ -91,9 +92,9 @@ class _Timer:
 
 @dataclass
 class _RooflineClock:
-    """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.measure.steptime)
+    """The planner's clock on fake tensors: the ops run, costed by the step-time model (trainer.measure.time.roofline)
     against the device the estimate is for; `compiled`: a compiled block's generated code, its fused kernels each
-    one op (trainer.measure.fake_compile)."""
+    one op (trainer.measure.fake.compiled)."""
 
     speed: Speed
     compiled: bool = False
@@ -217,7 +218,7 @@ def profile(
     `repeats` rounds, each round running every treatment once (order rotated, so a shared machine's drift falls on
     all alike); on fake tensors the step-time model's prediction for `speed` (default: this CPU calibrated, or
     the reference GPU for a CUDA estimate). `compiled` (fake tensors only): each block under each treatment compiled
-    by inductor as trainer.compile=true compiles the model (trainer.measure.fake_compile), so its bytes and times are
+    by inductor as trainer.compile=true compiles the model (trainer.measure.fake.compiled), so its bytes and times are
     the compiled block's; the embedding, head and optimizer stay eager, as a run compiles only the decoder.
     """
     policy = policy or build_policy({"name": "per_block", "pattern": ["none"]})

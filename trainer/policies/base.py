@@ -130,7 +130,7 @@ class Policy:
     planned_first: ClassVar[bool] = False
     unplanned: ClassVar[str] = ""
     # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
-    # and the estimator estimates it only there (trainer.measure.fake_compile).
+    # and the estimator estimates it only there (trainer.measure.fake.compiled).
     requires_compile: ClassVar[bool] = False
 
     @classmethod
@@ -163,7 +163,7 @@ class Policy:
     def compile_backend(self, inner_compile: Any = None) -> Any:
         """The torch.compile backend the model compiles with under trainer.compile=true (called once per module).
         `inner_compile`: inductor's partitioning with another code generator in place of its own (the estimator's
-        op-by-op graphs, trainer.measure.fake_compile)."""
+        op-by-op graphs, trainer.measure.fake.compiled)."""
         if inner_compile is None:
             return "inductor"
         import functools

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from trainer.errors import PolicyError
 from trainer.loss import LOSSES
-from trainer.measure.flops import count_sac_decision
+from trainer.measure.time.flops import count_sac_decision
 from trainer.policies.base import (
     CompositeConfig,
     Plan,
@@ -124,7 +124,7 @@ class OpLevelSAC(Policy):
         save = resolve_ops(self.cfg.save_ops)
 
         def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
+            count_sac_decision()  # the step-time model costs each decision (trainer.measure.time.roofline)
             packet = getattr(op, "overloadpacket", op)
             return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -315,7 +315,7 @@ def _alternate_matmuls(save: frozenset[Any], counted: tuple[Any, ...]) -> Callab
     count = {"forward": 0, "recompute": 0}
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        count_sac_decision()  # the step-time model costs each decision (trainer.measure.steptime)
+        count_sac_decision()  # the step-time model costs each decision (trainer.measure.time.roofline)
         mode = "recompute" if ctx.is_recompute else "forward"
         if func in counted:
             count[mode] += 1

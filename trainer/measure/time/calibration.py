@@ -1,9 +1,13 @@
 """Which speed a step-time prediction is for: this CPU, calibrated once by a short micro-benchmark (cached on disk),
-or a catalogue GPU (trainer.measure.steptime.gpu_speed); the device a process runs on, matched.
+or a catalogue GPU (trainer.measure.time.roofline.gpu_speed); the device a process runs on, matched.
 
     speed = cpu_speed()                 # this CPU at the current thread count
     speed = speed_for("cuda", "H100-80GB")
     speed = speed_here(device)          # a run's own device
+
+Near tool: `torch.utils.benchmark.Timer` times one statement; `torch.distributed._tools.RuntimeEstimator`'s
+benchmark mode runs each op on a real CUDA device. Here the CPU the estimate runs on is calibrated once (matmul and
+bandwidth curves, cached) and each traced op replayed once per signature, so a CPU prediction costs seconds.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.formatting import flops_text
-from trainer.measure.flops import count_sac_decision
 from trainer.measure.gpus import Gpu, find_gpu, match_device
-from trainer.measure.replay import RECIPES, Recipe
-from trainer.measure.steptime import KINDS, OpTrace, RateCurve, Speed, gpu_speed
+from trainer.measure.time.flops import count_sac_decision
+from trainer.measure.time.op_replay import RECIPES, Recipe
+from trainer.measure.time.op_trace import KINDS, OpTrace
+from trainer.measure.time.roofline import RateCurve, Speed, gpu_speed
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +186,8 @@ def _cache_path(key: str) -> Path:
 
 
 class OpClock:
-    """This CPU's own time for each op a predicted step runs, by signature (trainer.measure.replay): the op replayed
+    """This CPU's own time for each op a predicted step runs, by signature
+    (trainer.measure.time.op_replay): the op replayed
     on real tensors of its dtypes, shapes and strides, after a warm-up, the median of a few runs cycled over enough
     copies of its operands that they come from memory (as a step's do), less the cost of calling an op from Python
     (the step-time model counts that apart, per op launched). Measured once per signature and kept on disk beside the

@@ -90,7 +90,8 @@ _register_grouped_mm_formula()
 
 
 # SAC decisions made so far in this process: torch's SAC mode runs above any counting mode on the mode stack and leaves
-# no mark on the ops it passes down, so op_sac's policy function counts itself (trainer.measure.steptime costs each).
+# no mark on the ops it passes down, so op_sac's policy function counts itself
+# (trainer.measure.time.roofline costs each).
 # Read only through `sac_decisions()`: a name imported by value would go stale when this module is reloaded (it
 # rebinds the counter), and the count would then stay 0 for its readers.
 _sac_decisions = 0

@@ -1,6 +1,6 @@
 """Counting what the allocator hands out: the step's memory under torch.compile.
 
-The live-tensor tracker (memory.py) is a dispatch mode, and dynamo runs a compiled frame's original Python instead of
+The live-tensor tracker (tracker.py) is a dispatch mode, and dynamo runs a compiled frame's original Python instead of
 its compiled code while any dispatch mode is pushed, so a tracked step of a compiled model is an eager step. This
 recorder pushes no mode: it reads the allocator's own reports through torch.profiler's memory events
 (`profile_memory=True`), which see every buffer inductor's generated code allocates, on CPU (c10's CPU allocator
@@ -13,8 +13,11 @@ the free of a block allocated before the profiler started, so an adopted storage
 reference on it, which drops a marker in the profile at that moment.
 
 Approximated: the allocator's byte count is the request (c10's CPU allocator), not the rounded block a CUDA
-allocator keeps (that is `allocator.py`'s replay); an allocation made on a thread the profiler does not follow is
-missed (torch's intra-op workers allocate nothing a step keeps).
+allocator keeps (that is `caching_allocator.py`'s replay); an allocation made on a thread the profiler does not
+follow is missed (torch's intra-op workers allocate nothing a step keeps).
+
+Near tool: `torch.cuda.memory._record_memory_history` records the same allocations with stacks, on CUDA only; the
+profiler's events serve the CPU too, where the suite checks compiled steps.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch._C._profiler import _EventType
 
-from trainer.measure.memory import local_tensors
+from trainer.measure.memory.tracker import local_tensors
 
 _MARK = "trainer.mark:"  # a record_function name: a point in the window (free of an adopted storage, window end)
 

@@ -35,9 +35,9 @@ from unittest import mock
 
 import torch
 
-from trainer.measure.memory import LiveTensorTracker, _on_storage_freed
-from trainer.measure.replay import inside_bytes
-from trainer.measure.steptime import OpKey, OpTrace
+from trainer.measure.memory.tracker import LiveTensorTracker, _on_storage_freed
+from trainer.measure.time.op_replay import inside_bytes
+from trainer.measure.time.op_trace import OpKey, OpTrace
 
 
 class GraphTracker(LiveTensorTracker):
@@ -112,7 +112,7 @@ def _apply_counted(self: Any, *args: Any) -> Any:
 class CpuGraphTracker(GraphTracker):
     """GraphTracker for an estimate of a CPU run, which a compiled run counts with the allocator: an op's own
     workspace counts too, where a CPU kernel takes one (oneDNN's for a matmul in bf16 or fp16), measured once per
-    shape on this CPU (trainer.measure.replay.inside_bytes) and held for the op's duration."""
+    shape on this CPU (trainer.measure.time.op_replay.inside_bytes) and held for the op's duration."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -173,7 +173,7 @@ class GraphOpTrace(OpTrace):
         self.work.ops[key] += 1
 
 
-# A kernel whose loop evaluates these runs below the streaming rate (steptime's `math` kind, as its eager ops).
+# A kernel whose loop evaluates these runs below the streaming rate (op_trace's `math` kind, as its eager ops).
 _MATH = re.compile(r"\b(exp|exp2|expm1|log|log1p|tanh|erf|erfc|sigmoid|sin|cos|sqrt|rsqrt|pow|reciprocal)\b")
 _ARGUMENT = re.compile(r"(const\s+)?[\w:<>]+\s*\*\s*(\w+)")
 

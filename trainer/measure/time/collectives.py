@@ -1,5 +1,5 @@
 """FSDP2's collectives in one optimizer step, as bytes on the GPU link: what the step-time model
-(trainer/measure/steptime.py) prices on a catalogue GPU's `gpu_link`."""
+(trainer/measure/time/roofline.py) prices on a catalogue GPU's `gpu_link`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """An op as it can be run again on real tensors: its signature (the op, each tensor's dtype, shape and strides, the
 other arguments as given) and the recipe that rebuilds it. The step-time model times a CPU's ops this way
-(trainer.measure.speeds.OpClock): a traced op, fake or real, is replayed once per signature on real tensors of its
+(trainer.measure.time.calibration.OpClock):
+a traced op, fake or real, is replayed once per signature on real tensors of its
 shapes, where a roofline's rates would guess how this CPU runs that kernel at that shape.
 
 Floating tensors are rebuilt with values in [-1, 1), integer and boolean ones with zeros (valid indices, targets and

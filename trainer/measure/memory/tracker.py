@@ -8,6 +8,12 @@ checkpoint regions. They miss what a checkpoint's recompute holds during backwar
 of selective activation checkpointing, so they report SAC as if it were full recompute. A dispatch mode
 sees every tensor that every op creates, including recompute and the SAC cache, and a weakref on each
 storage tells when the bytes are given back.
+
+Near tool: `torch.distributed._tools.MemTracker`, also a dispatch mode with weakrefs on storages, attributes memory
+to modules and categories (parameters, gradients, activations, optimizer state) over everything alive. Ours counts a
+window (what the step adds over what existed before it), labels storages by the block region that made them (the
+planner's per-block profile), records a timeline, can be entered and left from two Lightning hooks, and is the same
+bookkeeping on real and fake tensors, so a run's figure and the estimator's are one count.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._op_index = 0
         self._active = True
         super().__enter__()
-        _ACTIVE.append(self)
+        _activate(self)
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
@@ -139,8 +145,7 @@ class LiveTensorTracker(TorchDispatchMode):
             )
         super().__exit__(exc_type, exc_val, exc_tb)
         self._active = False
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        _deactivate(self)
 
     def _storage_resized(self, storage: Any, before: int) -> None:
         """A storage changed size outside any op (UntypedStorage.resize_: FSDP2 frees an unsharded parameter with
@@ -371,6 +376,7 @@ def local_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
 
 
 _ACTIVE: list[LiveTensorTracker] = []
+_LOCK = threading.Lock()
 _storage_resize = torch.UntypedStorage.resize_
 
 
@@ -382,9 +388,22 @@ def _tracked_resize(storage: Any, size: int) -> Any:
     return out
 
 
-# A storage's resize_ is no op of the dispatcher, so no TorchDispatchMode sees it; this one wrapper lets the
-# active trackers see it (a no-op beyond one list check while none is active).
-torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
+# A storage's resize_ is no op of the dispatcher, so no TorchDispatchMode sees it. Like torch's own MemTracker, the
+# trackers wrap `UntypedStorage.resize_` only while one is active: the first to enter installs the wrapper, the last
+# to exit restores torch's method, so a process that never tracks runs torch untouched.
+def _activate(tracker: LiveTensorTracker) -> None:
+    with _LOCK:
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
+        _ACTIVE.append(tracker)
+
+
+def _deactivate(tracker: LiveTensorTracker) -> None:
+    with _LOCK:
+        if tracker in _ACTIVE:
+            _ACTIVE.remove(tracker)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _storage_resize  # type: ignore[method-assign]
 
 
 def _storages_of(tree: Any) -> set[int]:

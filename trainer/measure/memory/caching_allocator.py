@@ -23,6 +23,9 @@ segments and `max_split_size_mb` (off by default); the CUDA context, cuBLAS work
 The steady state: the step is replayed twice. Storages alive before the step and freed inside it (last step's
 gradients) are, in the second pass, the blocks of the same size that the first pass left alive (this step's
 gradients), so the second pass starts from the segments a previous step left, as in a long run.
+
+Near tool: none in torch models the allocator; `torch.cuda.memory_stats` and `memory._snapshot()` report the real one
+on a real GPU, which is what this replay is held against when a GPU is lent.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from trainer.measure.allocations import Recording
-from trainer.measure.memory import local_tensors
+from trainer.measure.memory.allocator_events import Recording
+from trainer.measure.memory.tracker import local_tensors
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -104,7 +104,8 @@ def _extension() -> Any:
 
 
 class CpuAllocationCounter:
-    """Logs the CPU allocator's traffic over a window, as a Recording (allocations.py) with the same replay:
+    """Logs the CPU allocator's traffic over a window, as a Recording (trainer.measure.memory.allocator_events)
+    with the same replay:
 
     counter.install()                       before the model is built
     counter.start(adopted)                  the training state, as StepMeter adopts it

@@ -1,0 +1,3 @@
+"""What a step on fake tensors needs that torch does not give: a compiled step run on fakes (`compiled`), fake rules
+for CPU kernels torch's meta kernels get wrong (`kernels`), torch's fake process group behind one import
+(`process_group`)."""

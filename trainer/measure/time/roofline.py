@@ -1,0 +1,178 @@
+"""Step time from a step's `Work` (trainer.measure.time.op_trace): a roofline per op, against a device's speed.
+
+    speed = cpu_speed()             # this CPU, calibrated once (trainer.measure.time.calibration), or
+    speed = gpu_speed(gpu)          # a catalogue GPU (conf/gpu/): peak per dtype and bandwidth at stated efficiencies
+    speed.predict(work)             # -> StepTime: milliseconds, and where they go
+
+An op's time is the larger of its FLOPs at the device's matmul throughput and its bytes at the device's bandwidth,
+and each op launched pays a fixed cost (dispatch, autograd's bookkeeping); a SAC context pays a further cost per op
+it decides on (its policy function and cache, in Python). On a CPU these add up, one op after the other; on a GPU the
+host runs ahead of the kernels, so the step takes the longer of the two sums. Offload's copies go over the host link,
+on a stream of their own, hidden behind the step's compute up to its length (with prefetch; without it they are
+exposed in full). FSDP2's all-gathers and reduce-scatters go over the GPU link (`Collectives`): the first all-gather
+of forward and backward and the last reduce-scatter exposed, the rest hidden behind compute up to its length, as FSDP2
+prefetches; on a CPU they are not costed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from trainer.measure.gpus import Gpu
+from trainer.measure.time.op_trace import KINDS, Work
+
+RateCurve = tuple[tuple[float, float], ...]  # (size, rate) points, sizes ascending: FLOPs → FLOP/s, bytes → bytes/s
+
+
+def _rate(curve: RateCurve, size: float) -> float:
+    """The rate at `size`, interpolated log-log between the points (flat beyond the ends)."""
+    sizes = [s for s, _ in curve]
+    if size <= sizes[0]:
+        return curve[0][1]
+    if size >= sizes[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(sizes, size)
+    (s0, r0), (s1, r1) = curve[i - 1], curve[i]
+    f = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted time and where it goes (milliseconds). `ms` = compute + host + exposed copies on a CPU; on a GPU
+    the longer of the kernels (matmul + memory) and the host's dispatch, plus exposed copies and collectives."""
+
+    ms: float
+    matmul_ms: float
+    memory_ms: float
+    host_ms: float  # fixed per-op costs and SAC decisions
+    copy_ms: float  # offload's copies, in full
+    exposed_copy_ms: float
+    device: str
+    collective_ms: float = 0.0  # FSDP2's all-gathers and reduce-scatters, in full
+    exposed_collective_ms: float = 0.0
+
+    def tokens_per_s(self, tokens: int) -> float:
+        return tokens / (self.ms / 1e3) if self.ms > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A device's speed as the roofline uses it (rates in per-second units, times in seconds)."""
+
+    name: str
+    matmul: dict[str, RateCurve]  # dtype → FLOPs of one op → FLOP/s
+    bandwidth: dict[str, RateCurve]  # kind (memory, math, random) → bytes of one op → bytes/s
+    op_s: float  # fixed cost of every op launched
+    free_s: float  # a view's or allocation's cost (host only)
+    sac_s: float  # one SAC decision (host)
+    host_link: float = 0.0  # bytes/s host↔device (offload's copies)
+    gpu_link: float = 0.0  # bytes/s one rank sends to its peers (collectives); 0: not costed
+    overlapped: bool = False  # GPU: the host runs ahead of the kernels
+    assumptions: tuple[str, ...] = ()
+    # This CPU's own time for a replayable op (signature, its roofline seconds) → seconds or None: the op run on
+    # real tensors of its shapes (trainer.measure.time.calibration.OpClock); None: every op by the roofline
+    op_clock: Any = None
+
+    def _matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul.get(dtype) or self.matmul.get("fp32") or next(iter(self.matmul.values()))
+        return _rate(curve, flops)
+
+    def predict(self, work: Work) -> StepTime:
+        mm = mem = 0.0
+        for (kind, dtype, flops, nbytes, signature), n in work.ops.items():
+            if kind == "free":
+                continue
+            curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
+            t = nbytes / _rate(curve, nbytes) if nbytes else 0.0
+            if kind == "matmul":
+                t = max(flops / self._matmul_rate(dtype, flops), t)
+            if signature and self.op_clock is not None and (timed := self.op_clock(signature, t)) is not None:
+                t = timed
+            if kind == "matmul":
+                mm += t * n
+            else:
+                mem += t * n
+        if self.op_clock is not None:
+            self.op_clock.flush()
+        launched = sum(work.count(k) for k in KINDS if k != "free")
+        host = launched * self.op_s + work.count("free") * self.free_s + work.sac_decisions * self.sac_s
+        copy = work.host_copy_bytes / self.host_link if work.host_copy_bytes and self.host_link else 0.0
+        compute = max(mm + mem, host) if self.overlapped else mm + mem + host
+        exposed = max(0.0, copy - compute) if work.prefetch else copy
+        c = work.collectives
+        comm = c.sent_bytes / self.gpu_link if c.sent_bytes and self.gpu_link else 0.0
+        first_last = c.exposed_bytes / self.gpu_link if comm else 0.0
+        exposed_comm = first_last + max(0.0, comm - first_last - compute)
+        return StepTime(
+            (compute + exposed + exposed_comm) * 1e3,
+            mm * 1e3,
+            mem * 1e3,
+            host * 1e3,
+            copy * 1e3,
+            exposed * 1e3,
+            self.name,
+            comm * 1e3,
+            exposed_comm * 1e3,
+        )
+
+    def describe(self) -> str:
+        return f"{self.name}: " + "; ".join(self.assumptions)
+
+
+# GPU efficiencies: what a dense kernel reaches of the datasheet peak. Large GEMMs reach 60-75 % of peak and
+# streaming kernels 80-90 % of bandwidth; the step's smaller ops reach less, which the per-op launch floor covers.
+GPU_MATMUL_EFFICIENCY = 0.6
+GPU_BANDWIDTH_EFFICIENCY = 0.8
+GPU_LAUNCH_S = 5e-6  # host-side cost of one eager op (Python, dispatcher, launch)
+GPU_SAC_S = 20e-6  # one SAC decision: torch's Python dispatch mode, per op
+# What NCCL's ring collectives reach of the link's per-direction datasheet rate (its "bus bandwidth")
+GPU_LINK_EFFICIENCY = 0.8
+GPU_COPY_OVERLAP = "offload copies on their own stream, hidden behind compute up to its length (prefetch on)"
+
+
+def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
+    """A catalogue GPU: peak TFLOP/s per dtype and bandwidth at the stated efficiencies; fp32 matmuls run as TF32
+    when torch's float32 matmul precision allows it (`torch.set_float32_matmul_precision`)."""
+    if not gpu.tflops or not gpu.bandwidth:
+        raise ValueError(f"{gpu.name}: the catalogue entry needs tflops and bandwidth to predict a step time")
+    fp32_matmul = fp32_matmul or ("tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32")
+    rates = {k: v * 1e12 * GPU_MATMUL_EFFICIENCY for k, v in gpu.tflops.items()}
+    if fp32_matmul in rates:
+        rates["fp32"] = rates[fp32_matmul]
+    matmul = {k: ((1.0, r),) for k, r in rates.items()}
+    bw = gpu.bandwidth * GPU_BANDWIDTH_EFFICIENCY
+    return Speed(
+        name=gpu.name,
+        matmul=matmul,
+        bandwidth={"memory": ((1.0, bw),)},
+        op_s=GPU_LAUNCH_S,
+        free_s=GPU_LAUNCH_S / 4,
+        sac_s=GPU_SAC_S,
+        host_link=gpu.host_link,
+        gpu_link=gpu.gpu_link * GPU_LINK_EFFICIENCY,
+        overlapped=True,
+        assumptions=(
+            f"matmul at {GPU_MATMUL_EFFICIENCY:.0%} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
+            f" TFLOP/s; fp32 matmul as {fp32_matmul})",
+            f"memory-bound ops at {GPU_BANDWIDTH_EFFICIENCY:.0%} of {gpu.bandwidth / 1e12:g} TB/s",
+            f"host {GPU_LAUNCH_S * 1e6:g} µs per op launched, {GPU_SAC_S * 1e6:g} µs per SAC decision, running ahead"
+            " of the kernels",
+            GPU_COPY_OVERLAP + (f" at {gpu.host_link / 1e9:g} GB/s" if gpu.host_link else ""),
+            (
+                f"FSDP2 collectives at {GPU_LINK_EFFICIENCY:.0%} of {gpu.gpu_link / 1e9:g} GB/s per GPU (one node, "
+                "ring), hidden behind compute up to its length but the first all-gather of forward and backward and "
+                "the last reduce-scatter"
+                if gpu.gpu_link
+                else "collectives not costed (the catalogue entry has no gpu_link)"
+            ),
+        ),
+    )
