@@ -30,14 +30,14 @@ def _bench_commands() -> list[str]:
     """Every benchmark that is a command: a bench module with a __main__ block, or a bench package with __main__.py."""
     found = []
     for path in sorted((ROOT / "bench").iterdir()):
-        if path.suffix == ".py" and 'if __name__ == "__main__"' in path.read_text():
+        if path.suffix == ".py" and not path.name.startswith("_") and 'if __name__ == "__main__"' in path.read_text():
             found.append(f"bench.{path.stem}")
         elif path.is_dir() and (path / "__main__.py").exists():
             found.append(f"bench.{path.name}")
     return found
 
 
-COMMANDS = ["trainer.estimate", "trainer.export", "trainer.check", "trainer.report", *_bench_commands()]
+COMMANDS = ["trainer.estimate", "trainer.export", "trainer.check", "trainer.report", "bench", *_bench_commands()]
 
 
 @pytest.mark.parametrize("module", COMMANDS)
@@ -52,6 +52,17 @@ def test_every_command_answers_help(module: str) -> None:
 
 def test_the_bench_commands_are_found() -> None:
     assert {"bench.policies", "bench.planner", "bench.hf_families"} <= set(COMMANDS)
+
+
+def test_the_bench_runner_lists_every_table_command_and_refuses_an_unknown_one() -> None:
+    """`python -m bench` is the one list of tables: every benchmark command is in it (and each entry a command),
+    and an unknown table is one error line naming the choices, exit 2."""
+    from bench.__main__ import TABLES
+
+    listed = {t.module.removesuffix(".sweep") for t in TABLES.values()}
+    assert listed == set(_bench_commands())
+    r = subprocess.run([sys.executable, "-m", "bench", "nope"], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "choose one of policies" in r.stderr
 
 
 def test_train_py_help_says_how_to_run_and_sweep() -> None:

@@ -1,0 +1,67 @@
+"""One runner over the benchmarks' tables: `python -m bench <table> [--write-docs] [its own options]`.
+
+    python -m bench                         # the tables, what each measures and the page it writes
+    python -m bench policies --write-docs   # one table, measured now, written between its markers on its page
+    python -m bench planner --help          # a table's own options
+
+Each table is a module of bench/ with a `main(argv)`; this registry is the one list of them (the docs name a table by
+its key here), so a table is measured by one module and written to one page.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class Table(NamedTuple):
+    module: str
+    page: str
+    what: str
+
+
+TABLES = {
+    "policies": Table(
+        "bench.policies",
+        "docs/benchmarks.md",
+        "every policy and loss head: step time, memory and FLOPs, measured beside the estimate",
+    ),
+    "policy-table": Table(
+        "bench.policy_table", "docs/benchmarks.md", "every policy against none: activation peak and FLOPs of one step"
+    ),
+    "planner": Table("bench.planner", "docs/benchmarks.md", "policy=auto across budgets beside the uniform policies"),
+    "compiled": Table(
+        "bench.compiled", "docs/benchmarks.md", "compiled against eager per policy; the budget partitioner"
+    ),
+    "step-time": Table("bench.step_time_table", "docs/step-time.md", "predicted step per policy on catalogue GPUs"),
+    "published": Table("bench.published", "README.md", "the published GPU record beside the estimate"),
+    "fit-time": Table("bench.fit_time", "(prints only)", "what --fit costs beside one estimate"),
+    "tensorboard": Table("bench.tb_screenshot", "docs/", "a tiny sweep in TensorBoard, photographed"),
+    "hf-families": Table("bench.hf_families.sweep", "docs/hf-families.md", "every transformers causal-LM family"),
+}
+
+
+def listing() -> str:
+    width = max(map(len, TABLES))
+    rows = [f"  {name:<{width}}  {t.what} → {t.page}" for name, t in TABLES.items()]
+    return "usage: python -m bench <table> [--write-docs] [options]\n\ntables:\n" + "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(listing())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in TABLES:
+        print(
+            f"error: no table {name!r}; choose one of {', '.join(TABLES)} (python -m bench lists them)", file=sys.stderr
+        )
+        return 2
+    return int(importlib.import_module(TABLES[name].module).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
