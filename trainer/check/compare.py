@@ -147,18 +147,15 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     from trainer.core.module import DecoderModule
     from trainer.policies import build_policy
 
-    device = torch.device(build.train_device(config))
-    chosen, _ = precision_.resolve(config.precision, device.type)
-    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
-    if refusal:
-        raise ConfigError(refusal)
+    facts = build.resolve(config)  # device, precision (its refusals), HF config: settled as a run settles them
+    device, chosen = torch.device(facts.device), facts.precision
     compiled = bool(config.trainer.compile)
     if tolerance is None:
         tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
     policy = build_policy(config.policy)
     if config.model.family != "hf" or policy.planned_first:  # refused before any data is read
         policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
-    hf_config = build.hf_config(config)
+    hf_config = facts.hf_config
     data = build.data_module(config)
     loader = data.train_dataloader()
     if steps * config.accum > len(loader):

@@ -2,10 +2,10 @@
 DataModule. train.py's run, `trainer.check`, the estimator's session (on fake tensors), the planner's config-level
 entry and every benchmark build through here; nothing else constructs either from a config.
 
-    device = build.train_device(config)        the device type Lightning trains on
-    hf = build.hf_config(config)                model=hf: its config, read once; what the family lacks refused here
+    facts = build.resolve(config)               device, precision, HF config, vocabulary, world: settled once
+                                                (trainer/core/resolve.py); refusals before any data is read
     data = build.data_module(config)            prepared and set up: the tokenizer's vocabulary is known
-    module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=hf)
+    module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=facts.hf_config)
 
 The caller seeds torch's RNG before `module` (a run seeds everything, the tools `config.seed`), so each keeps the
 initialisation it always had.
@@ -15,46 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from trainer import precision as precision_
 from trainer.core.data import TextDataModule
 from trainer.core.module import DecoderModule
+from trainer.core.resolve import Resolved, hf_config, resolve, train_device
 from trainer.core.schema import Config, model_vocab, vocab_for
-from trainer.errors import ConfigError
 from trainer.loss import LossConfig
-from trainer.policies import Policy, build_policy, needs_attention_seam, no_seam_refusal
+from trainer.policies import Policy
 
-
-def train_device(config: Config) -> str:
-    """The device type Lightning will train on (trainer.accelerator=auto takes CUDA where there is one)."""
-    cuda = torch.cuda.is_available() and config.trainer.accelerator in ("auto", "gpu", "cuda")
-    return "cuda" if cuda else "cpu"
-
-
-def hf_config(config: Config) -> Any:
-    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), and what the
-    family lacks refused before any data is read: the attention implementation asked for, the seam `selective`
-    needs, more positions than it has. None for the native families."""
-    if config.model.family != "hf":
-        return None
-    from models.hf import attn_implementation, has_attention_seam, load_config, max_positions, model_class
-
-    loaded = load_config(str(config.model.name_or_path))
-    cls = model_class(loaded)
-    attn_implementation(cls, config.model.attention)
-    policy = build_policy(config.policy)
-    depth = getattr(loaded, "num_hidden_layers", None) or getattr(loaded, "n_layer", None)
-    if isinstance(depth, int) and not policy.planned_first and not has_attention_seam(cls):
-        policy.check(depth, config.model.attention)
-        if needs_attention_seam(policy, depth):
-            raise no_seam_refusal(policy, cls.__name__)
-    limit = max_positions(loaded)
-    if limit is not None and config.seq_len > limit:
-        raise ConfigError(
-            f"seq_len={config.seq_len} exceeds {config.model.name_or_path}'s {limit} positions; lower seq_len"
-        )
-    return loaded
+__all__ = ["Resolved", "data_module", "hf_config", "module", "resolve", "train_device", "vocab"]
 
 
 def data_module(config: Config) -> TextDataModule:

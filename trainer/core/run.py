@@ -59,33 +59,24 @@ def is_out_of_memory(e: BaseException) -> bool:
     )
 
 
-def preflight(cfg: Config, run_dir: Path) -> Path | None:
+def preflight(cfg: Config, run_dir: Path) -> tuple[build.Resolved, Path | None]:
     """Refuse what the device, the folder or the checkpoint cannot do, before any data is read; settle
     `precision=auto` (cfg.precision becomes what will run; one line says why).
 
-    Returns the checkpoint to resume from, already proven loadable."""
-    device = build.train_device(cfg)
-    chosen, why = precision.resolve(cfg.precision, device)
+    Returns the configuration's facts, settled once (`build.resolve`: device, precision, HF config, ...), and the
+    checkpoint to resume from, already proven loadable."""
+    facts = build.resolve(cfg)
+    device, chosen = facts.device, facts.precision
     if cfg.precision == "auto":
-        log.info(why)
+        log.info(facts.why)
     cfg.precision = chosen
-    refusal = precision.refuse_under_fsdp2(chosen, cfg.trainer)
-    if refusal:
-        raise ConfigError(refusal)
-    if chosen == "16-mixed" and device != "cuda":
-        raise ConfigError("precision=16-mixed needs a CUDA GPU; use precision=auto, bf16-mixed or 32-true on CPU")
-    if chosen.startswith("bf16") and device == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
-            f"precision={chosen}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
-            "use precision=16-mixed or 32-true"
-        )
     warning = precision.emulation_warning(chosen, device)
     if warning:
         log.warning(warning)
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
     probe_trainer(cfg)
-    return checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
+    return facts, checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
 
 
 def probe_trainer(cfg: Config) -> None:
@@ -193,11 +184,10 @@ def train(
         policy = build_policy(config.policy)
         if config.model.family != "hf":
             policy.check(config.model.n_layer, config.model.attention)
-        resume_from = preflight(config, run_dir)
-        hf_config = build.hf_config(config)
+        facts, resume_from = preflight(config, run_dir)
         L.seed_everything(config.seed, workers=True, verbose=False)
         data = build.data_module(config)
-        module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=hf_config)
+        module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=facts.hf_config)
         run = Run(config, run_dir, data, module, callbacks or [])
         return run.fit(resume_from)  # policy=auto may still refuse here, at fit start, before a step is taken
     except UserError:

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from trainer.core.resolve import sharded_world
 from trainer.core.schema import Config
 from trainer.errors import UserError
 from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import fit_table
-from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session, sharded_world
+from trainer.estimate.session import Estimate, Session, group_labels, measure, open_session
 from trainer.formatting import MIB
 from trainer.measure.gpus import Gpu, Reserve
 from trainer.measure.time.roofline import Speed

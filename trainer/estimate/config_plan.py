@@ -63,12 +63,12 @@ def plan_result_for_config(
                 step_precision = precision_.lightning_precision(session.precision, config.trainer)
                 result = plan_module(config, session.module, policy, session.batches[0], step_precision, speed)
             return _compiled_whole(session, result) if config.trainer.compile else result
-    device = torch.device(device if device is not None else build.train_device(config))
-    chosen, _ = precision_.resolve(config.precision, device.type)
+    facts = build.resolve(config, None if device is None else torch.device(device).type)
+    device, chosen = torch.device(device if device is not None else facts.device), facts.precision
     cpu = torch.get_rng_state()
     try:
         torch.manual_seed(config.seed)
-        module = build.module(config, "none", hf_config=build.hf_config(config))
+        module = build.module(config, "none", hf_config=facts.hf_config)
         module = precision_.plugin(chosen, device.type).convert_module(module).to(device)
         vocab = module.adapter.head.weight.shape[0]
         g = torch.Generator().manual_seed(config.seed)

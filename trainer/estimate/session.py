@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from trainer import precision as precision_
 from trainer.core import step as step_
 from trainer.core.module import explain_group_stand_ins
-from trainer.core.schema import Config, ConfigError, model_vocab
+from trainer.core.schema import Config, ConfigError
 from trainer.errors import PolicyError
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_mesh
@@ -301,24 +301,6 @@ class _CachedAutocast:
         return self.plugin.convert_module(module)
 
 
-def _precision(config: Config, device: str, notes: list[str]) -> str:
-    """The precision the run would train in on `device` (auto settled as train.py settles it)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        chosen = "bf16-mixed" if config.precision == "auto" else config.precision
-        if config.precision == "auto":
-            notes.append(
-                "precision=auto → bf16-mixed: no CUDA device here to ask, so a GPU with bf16 (Ampere or "
-                "newer) is assumed; precision=16-mixed or 32-true estimates others"
-            )
-    else:
-        chosen, why = precision_.resolve(config.precision, device)
-        if config.precision == "auto":
-            notes.append(why + " (as train.py chooses on this machine)")
-    if chosen == "16-mixed" and device != "cuda":
-        raise ConfigError("precision=16-mixed needs a CUDA GPU; estimate it with --device cuda")
-    return chosen
-
-
 def _kernels(device: str, notes: list[str]) -> tuple[str, Any]:
     """The device the fake tensors live on, and the rules that translate CPU kernels to CUDA's where needed."""
     fake_device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -358,22 +340,19 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
 
     from trainer.core import build
 
-    device = estimate_device(config, device)
+    facts = build.resolve(config, estimate_device(config, device), estimate=True)
+    device, chosen, hf_config, vocab, world = facts.device, facts.precision, facts.hf_config, facts.vocab, facts.world
     notes: list[str] = []
-    chosen = _precision(config, device, notes)
+    if config.precision == "auto":
+        assumed = device == "cuda" and not torch.cuda.is_available()
+        notes.append(facts.why if assumed else facts.why + " (as train.py chooses on this machine)")
     fake_device, rules = _kernels(device, notes)
-    hf_config = build.hf_config(config)
     from trainer.core.data import check_config
 
     tokenizer_from = config.model.name_or_path if config.data.tokenizer == "model" else None
     check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
-    vocab = model_vocab(config)
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
-    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
-    if refusal:
-        raise ConfigError(refusal)
-    world = sharded_world(config)
     if config.trainer.compile and world > 1:
         raise ConfigError(
             "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "
@@ -467,16 +446,6 @@ COMPILE_NOTE = (
     "generated code run on fake tensors with each fused kernel costed once by the bytes it reads and writes; a CPU "
     "bf16 matmul's oneDNN workspace measured on this CPU; no per-layer breakdown"
 )
-
-
-def sharded_world(config: Config) -> int:
-    """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1."""
-    t = config.trainer
-    if t.strategy != "fsdp2":
-        return 1
-    if not isinstance(t.devices, int) or t.devices < 1:
-        raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
-    return t.devices * t.num_nodes
 
 
 def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -1,0 +1,114 @@
+"""What a configuration settles into on a machine, settled once: the device, the precision (auto chosen by the
+hardware, every refusal of a precision the device or the strategy cannot run), the Hugging Face config, the
+vocabulary and the data-parallel world. The run, `trainer.check`, the estimator's session, a configuration's plan
+and the benchmarks all start here, so none of them settles a fact its own way.
+
+    facts = resolve(config)                       # the run's machine: the device Lightning will train on
+    facts = resolve(config, "cuda", estimate=True)  # an estimate for CUDA, on a machine that may have none
+    facts.device, facts.precision, facts.why, facts.hf_config, facts.vocab, facts.world
+
+Lightning settles the same facts inside `Trainer(...)` (its accelerator and precision connectors); they are settled
+here before it, because the estimator and the checker build the module without a Trainer, and a refusal must come
+before any data is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer import precision as precision_
+from trainer.core.schema import Config, model_vocab
+from trainer.errors import ConfigError
+from trainer.policies import build_policy, needs_attention_seam, no_seam_refusal
+
+
+@dataclass(frozen=True)
+class Resolved:
+    device: str  # "cpu" or "cuda": what the run trains on, or what the estimate is for
+    precision: str  # settled: never "auto"
+    why: str  # one line: how the precision was chosen (the run logs it when it was auto)
+    hf_config: Any  # model=hf: its transformers config, read once; None for a native family
+    vocab: int | None  # the vocabulary the model is built for, without reading data (None: the tokenizer's, later)
+    world: int  # the data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1
+
+
+def train_device(config: Config) -> str:
+    """The device type Lightning will train on (trainer.accelerator=auto takes CUDA where there is one)."""
+    cuda = torch.cuda.is_available() and config.trainer.accelerator in ("auto", "gpu", "cuda")
+    return "cuda" if cuda else "cpu"
+
+
+def hf_config(config: Config) -> Any:
+    """model=hf: its config, read once (a bad folder or an offline hub id fails here with one line), and what the
+    family lacks refused before any data is read: the attention implementation asked for, the seam `selective`
+    needs, more positions than it has. None for the native families."""
+    if config.model.family != "hf":
+        return None
+    from models.hf import attn_implementation, has_attention_seam, load_config, max_positions, model_class
+
+    loaded = load_config(str(config.model.name_or_path))
+    cls = model_class(loaded)
+    attn_implementation(cls, config.model.attention)
+    policy = build_policy(config.policy)
+    depth = getattr(loaded, "num_hidden_layers", None) or getattr(loaded, "n_layer", None)
+    if isinstance(depth, int) and not policy.planned_first and not has_attention_seam(cls):
+        policy.check(depth, config.model.attention)
+        if needs_attention_seam(policy, depth):
+            raise no_seam_refusal(policy, cls.__name__)
+    limit = max_positions(loaded)
+    if limit is not None and config.seq_len > limit:
+        raise ConfigError(
+            f"seq_len={config.seq_len} exceeds {config.model.name_or_path}'s {limit} positions; lower seq_len"
+        )
+    return loaded
+
+
+def sharded_world(config: Config) -> int:
+    """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1."""
+    t = config.trainer
+    if t.strategy != "fsdp2":
+        return 1
+    if not isinstance(t.devices, int) or t.devices < 1:
+        raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
+    return t.devices * t.num_nodes
+
+
+def settle_precision(config: Config, device: str, *, estimate: bool = False) -> tuple[str, str]:
+    """The precision a run of `config` trains in on `device`, and one line saying why; a precision the device or the
+    strategy cannot run is refused here, in one line naming the fix. `estimate`: for a CUDA estimate on a machine
+    with no CUDA device to ask, auto is bf16-mixed (a GPU with bf16, Ampere or newer, is assumed)."""
+    requested = config.precision
+    if device == "cuda" and not torch.cuda.is_available():
+        chosen = "bf16-mixed" if requested == "auto" else requested
+        why = (
+            "precision=auto → bf16-mixed: no CUDA device here to ask, so a GPU with bf16 (Ampere or newer) is "
+            "assumed; precision=16-mixed or 32-true estimates others"
+            if requested == "auto"
+            else f"precision={requested} (as configured)"
+        )
+    else:
+        chosen, why = precision_.resolve(requested, device)
+    refusal = precision_.refuse_under_fsdp2(chosen, config.trainer)
+    if refusal:
+        raise ConfigError(refusal)
+    if chosen == "16-mixed" and device != "cuda":
+        fix = "estimate it with --device cuda" if estimate else "use precision=auto, bf16-mixed or 32-true on CPU"
+        raise ConfigError(f"precision=16-mixed needs a CUDA GPU; {fix}")
+    gpu = device == "cuda" and torch.cuda.is_available()
+    if chosen.startswith("bf16") and gpu and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision={chosen}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
+            "use precision=16-mixed or 32-true"
+        )
+    return chosen, why
+
+
+def resolve(config: Config, device: str | None = None, *, estimate: bool = False) -> Resolved:
+    """Every fact `config` settles into on `device` (default: the device the run trains on), refusals first."""
+    device = device or train_device(config)
+    chosen, why = settle_precision(config, device, estimate=estimate)
+    world = sharded_world(config)
+    return Resolved(device, chosen, why, hf_config(config), model_vocab(config), world)
