@@ -171,7 +171,10 @@ def test_a_catalogue_gpu_states_its_assumptions() -> None:
 
 
 def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration runs for real, one round of its micro-benchmark rather than the median of three (a round
+    takes most of a minute where bf16 is emulated): what is checked is the cache, and the figures it holds."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "CALIBRATION_ROUNDS", 1)
     monkeypatch.setattr(calibration, "_CPU", {})
     speed = calibration.cpu_speed()
     files = list((tmp_path / "ckptlab").glob("cpu-speed-*.json"))

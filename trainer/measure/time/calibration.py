@@ -12,6 +12,7 @@ bandwidth curves, cached) and each traced op replayed once per signature, so a C
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,38 @@ def cpu_key() -> str:
 _CPU: dict[str, Speed] = {}
 
 
+def _read_cached(path: Path, key: str) -> Speed | None:
+    if not path.is_file():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+        if cached["version"] == CALIBRATION_VERSION:
+            return _speed_from(cached, "cached", OpClock(_ops_path(key)))
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        pass  # unreadable, another version's or half-written by hand: measured anew
+    return None
+
+
+@contextlib.contextmanager
+def _calibrating(path: Path) -> Iterator[None]:
+    """One process calibrates at a time (an exclusive lock beside the cache file): processes started together (a
+    sweep's jobs, test workers) would each measure the CPU while the others load it, slower and worse, where the
+    second can read the first's result. Without a writable cache folder, or without fcntl, no lock is taken."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")  # held across the yield
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.close()  # releases the lock
+
+
 def cpu_speed(recalibrate: bool = False) -> Speed:
     """This CPU at the current thread count: calibrated once and cached (on disk, keyed by CPU, torch and
     threads); `recalibrate` measures anew."""
@@ -328,23 +361,22 @@ def cpu_speed(recalibrate: bool = False) -> Speed:
     if key in _CPU and not recalibrate:
         return _CPU[key]
     path = _cache_path(key)
-    if not recalibrate and path.is_file():
+    if not recalibrate and (speed := _read_cached(path, key)) is not None:
+        _CPU[key] = speed
+        return speed
+    with _calibrating(path):
+        if not recalibrate and (speed := _read_cached(path, key)) is not None:  # another process measured it
+            _CPU[key] = speed
+            return speed
+        doc = calibrate_cpu()
+        source = "measured now"
         try:
-            cached = json.loads(path.read_text())
-            if cached["version"] == CALIBRATION_VERSION:
-                _CPU[key] = speed = _speed_from(cached, "cached", OpClock(_ops_path(key)))
-                return speed
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-            pass  # unreadable, another version's or half-written by hand: measured anew
-    doc = calibrate_cpu()
-    source = "measured now"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
-    except OSError:
-        source = "measured now, not cached: the cache folder is not writable"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(path)
+        except OSError:
+            source = "measured now, not cached: the cache folder is not writable"
     _CPU[key] = speed = _speed_from(doc, source, OpClock(_ops_path(key), fresh=recalibrate))
     return speed
 
