@@ -167,3 +167,27 @@ def test_a_precision_fsdp2s_policy_cannot_run_is_one_line(tmp_path: Path, tool: 
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert "precision=16-mixed under trainer=fsdp2" in lines[0] and "trainer.mixed_precision=autocast" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA estimate on a machine without CUDA")
+def test_one_place_settles_a_configuration_for_the_run_and_the_estimate(
+    cpu_kind: bool, compose_cfg: Callable[..., Any]
+) -> None:
+    """build.resolve settles precision once for every entry point: the run's facts and a CPU estimate's are the same
+    facts; a CUDA estimate on a machine without CUDA assumes a bf16 GPU and says so; a precision the device cannot
+    run is refused in one line whose fix suits the caller."""
+    from trainer.core import build
+    from trainer.errors import ConfigError
+
+    config = validate(compose_cfg("precision=auto"))
+    run, estimate = build.resolve(config), build.resolve(config, "cpu", estimate=True)
+    assert run == estimate and run.device == "cpu" and run.world == 1 and run.hf_config is None
+    assert run.precision == ("bf16-mixed" if cpu_kind else "32-true") and run.why.startswith("precision=auto → ")
+    cuda = build.resolve(config, "cuda", estimate=True)
+    assert cuda.precision == "bf16-mixed" and "no CUDA device here to ask" in cuda.why
+    half = validate(compose_cfg("precision=16-mixed"))
+    with pytest.raises(ConfigError, match="use precision=auto, bf16-mixed or 32-true on CPU"):
+        build.resolve(half)
+    with pytest.raises(ConfigError, match="estimate it with --device cuda"):
+        build.resolve(half, "cpu", estimate=True)
+    assert build.resolve(half, "cuda", estimate=True).precision == "16-mixed"
