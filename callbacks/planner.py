@@ -38,17 +38,17 @@ from trainer.planner import (
     plan_model,
     solve_profile,
 )
-from trainer.policies import Policy, PolicyError, apply_policy, register_callback
+from trainer.policies import Policy, PolicyError, apply_policy
 
 log = logging.getLogger(__name__)
 
 STEADY_STEP = 2  # the first optimizer step whose start has last step's gradients and the optimizer state
 
 
-@register_callback("auto")
 class AutoPlanCallback(L.Callback):
     """Plans `policy=auto` at fit start, logs the plan, verifies it, re-plans once; the auto policy brings it
-    (`policy.callbacks()`). `policy`: the one it plans (None: the auto policy installed on the model it meets).
+    (its `brings`, made by `policy.callbacks()`). `policy`: the one it plans (None: the auto policy installed on
+    the model it meets).
     A no-op for other policies."""
 
     def __init__(self, policy: Policy | None = None, config: Any = None) -> None:

@@ -867,11 +867,11 @@ def test_policy_yaml_repeats_no_default() -> None:
 
 
 def test_a_policy_brings_its_callbacks() -> None:
-    import callbacks  # noqa: F401  (registers the callbacks the policies bring)
-    from callbacks.planner import AutoPlanCallback
-
+    """A policy names the callbacks it needs (`brings`); nothing has to be imported first for them to be found."""
     auto = build_policy({"name": "auto", "budget_mib": 100})
     (planner,) = auto.callbacks()
+    from callbacks.planner import AutoPlanCallback
+
     assert isinstance(planner, AutoPlanCallback) and planner.policy is auto and auto.callbacks() == [planner]
     assert auto.planned_first and auto.unplanned
     assert all(build_policy(CASES[c]).callbacks() == [] for c in CASES)

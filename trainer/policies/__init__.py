@@ -27,7 +27,6 @@ from __future__ import annotations
 from trainer.errors import PolicyError
 from trainer.policies import library
 from trainer.policies.base import (
-    CALLBACKS,
     POLICIES,
     CompositeConfig,
     Plan,
@@ -43,7 +42,6 @@ from trainer.policies.base import (
     no_seam_refusal,
     policy_params,
     register,
-    register_callback,
     resolve_plan,
     say_once,
     treatments,
@@ -52,7 +50,6 @@ from trainer.policies.install import apply_policy, install_plan, remove_policy
 from trainer.policies.library import *  # noqa: F403
 
 __all__ = [
-    "CALLBACKS",
     "POLICIES",
     "CompositeConfig",
     "Plan",
@@ -71,7 +68,6 @@ __all__ = [
     "no_seam_refusal",
     "policy_params",
     "register",
-    "register_callback",
     "remove_policy",
     "resolve_plan",
     "say_once",

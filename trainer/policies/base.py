@@ -4,6 +4,7 @@ Policies themselves are one class each in library.py; installing a plan on a mod
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -128,6 +129,8 @@ class Policy:
     # Its plan is chosen on the model before it runs (auto: at fit start, by the callback it brings); until then a
     # table says `unplanned` for it.
     planned_first: ClassVar[bool] = False
+    # the Lightning callbacks a run of it needs, as "module:Class" (constructed with the policy and the run's config)
+    brings: ClassVar[tuple[str, ...]] = ()
     unplanned: ClassVar[str] = ""
     # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
     # and the estimator estimates it only there (trainer.measure.fake.compiled).
@@ -177,11 +180,11 @@ class Policy:
         raise PolicyError(f"policy {self.name} is not planned; its plan is its own")
 
     def callbacks(self, config: Any = None) -> list[Any]:
-        """The Lightning callbacks a run of this policy needs (registered with `register_callback`), made once per
-        policy object: the run, the checker and the estimator ask the policy and name none. `config`: the run's
-        (auto's planner plans a compiled run from it, on the estimator's fake tensors)."""
+        """The Lightning callbacks a run of this policy needs (the classes its `brings` names, each constructed with
+        the policy and `config`), made once per policy object: the run, the checker and the estimator ask the policy
+        and name none. `config`: the run's (auto's planner plans a compiled run from it, on fake tensors)."""
         if self._callbacks is None:
-            self._callbacks = [make(self, config) for make in CALLBACKS.get(self.name, [])]
+            self._callbacks = [_named(path)(self, config) for path in self.brings]
         return self._callbacks
 
     # -- treatments -------------------------------------------------------------------------------------------
@@ -230,7 +233,6 @@ class Policy:
 
 
 POLICIES: dict[str, type[Policy]] = {}
-CALLBACKS: dict[str, list[Callable[[Policy], Any]]] = {}  # policy name → what makes the callbacks it brings
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -238,15 +240,11 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def register_callback(policy: str) -> Callable[[Any], Any]:
-    """`@register_callback("auto")` on a callback class (constructed with the policy and the run's config, or None)
-    that a run of that policy needs: the callbacks package registers them, so the policies import no callback."""
-
-    def add(make: Any) -> Any:
-        CALLBACKS.setdefault(policy, []).append(make)
-        return make
-
-    return add
+def _named(path: str) -> Any:
+    """`module:Class` → the class. By name, so a policy names the callbacks it brings without importing them (the
+    policies import no callback; the callbacks import the policies)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def moved_parameter(key: str) -> str | None:

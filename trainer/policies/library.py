@@ -600,7 +600,7 @@ class AutoConfig(CompositeConfig):
 @register
 class Auto(Policy):
     """The memory-budget planner's policy: a per-block plan chosen at fit start by the callback it brings
-    (`callbacks.planner`, registered for it).
+    (`brings`: callbacks.planner's AutoPlanCallback).
 
     `plan()` installs the chosen treatments (`choose`); before a choice is made it checkpoints every block (`full`,
     the frugal default), so a model used without the planning callback never exceeds what `full` needs.
@@ -609,6 +609,7 @@ class Auto(Policy):
     name = "auto"
     Config = AutoConfig
     planned_first = True
+    brings = ("callbacks.planner:AutoPlanCallback",)
     unplanned = "needs a budget (policy=auto policy.budget_mib=…) to plan"
     chosen: tuple[str, ...] | None = None  # the planner's treatments, one per block
 
