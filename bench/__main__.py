@@ -5,7 +5,8 @@
     python -m bench planner --help          # a table's own options
 
 Each table is a module of bench/ with a `main(argv)`; this registry is the one list of them (the docs name a table by
-its key here), so a table is measured by one module and written to one page.
+its key here), so a table is measured by one module and written to one page. The compatibility sweep of
+Hugging Face families is a tool, not a benchmark: `python -m trainer.families`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ TABLES = {
     "published": Table("bench.published", "README.md", "the published GPU record beside the estimate"),
     "fit-time": Table("bench.fit_time", "(prints only)", "what --fit costs beside one estimate"),
     "tensorboard": Table("bench.tb_screenshot", "docs/", "a tiny sweep in TensorBoard, photographed"),
-    "hf-families": Table("bench.hf_families.sweep", "docs/hf-families.md", "every transformers causal-LM family"),
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainer.formatting import add_page_arguments, replace_block
 from trainer.measure.time.calibration import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
 
@@ -18,7 +19,6 @@ __all__ = [
     "add_page_arguments",
     "BENCHMARKS_PAGE",
     "DOCS",
-    "HF_FAMILIES_PAGE",
     "ROOT",
     "STEP_TIME_PAGE",
     "cpu_name",
@@ -30,25 +30,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BENCHMARKS_PAGE = DOCS / "benchmarks.md"  # the measured tables, each between its markers
-HF_FAMILIES_PAGE = DOCS / "hf-families.md"  # the family sweep's table
 STEP_TIME_PAGE = DOCS / "step-time.md"  # the estimator's predicted step per policy (bench.step_time_table)
-
-
-def replace_block(path: Path, start: str, end: str, block: str, heading: str) -> None:
-    """Put `block` between the `start` and `end` markers of `path`, leaving everything else as it was.
-
-    If the markers are missing (or out of order), a new section `heading` holding them is appended at the end.
-    """
-    path = Path(path)
-    text = path.read_text() if path.exists() else ""
-    body = f"{start}\n{block}\n{end}"
-    if start in text and end in text and text.index(start) < text.index(end):
-        pre, rest = text.split(start, 1)
-        _, post = rest.split(end, 1)
-        text = pre + body + post
-    else:
-        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + body + "\n"
-    path.write_text(text)
 
 
 def publish(args: argparse.Namespace, block: str, start: str, end: str, heading: str) -> int:
@@ -58,26 +40,6 @@ def publish(args: argparse.Namespace, block: str, start: str, end: str, heading:
         replace_block(args.page, start, end, block, heading)
         print(f"\nwrote {args.page}", file=sys.stderr)
     return 0
-
-
-def add_page_arguments(ap: argparse.ArgumentParser, page: Path, blocks: str) -> None:
-    """--write-docs (rewrite `blocks`, the marked blocks this benchmark writes, on --page) and --page, with their
-    former names --write-readme and --readme: every benchmark that writes a docs table takes the same two flags."""
-    ap.add_argument(
-        "--write-docs",
-        "--write-readme",
-        dest="write_docs",
-        action="store_true",
-        help=f"rewrite {blocks} of --page (--write-readme: the same, its former name)",
-    )
-    ap.add_argument(
-        "--page",
-        "--readme",
-        dest="page",
-        type=Path,
-        default=page,
-        help=f"the docs page that --write-docs rewrites (default: {page.relative_to(ROOT)}; --readme: the same)",
-    )
 
 
 def environment(device_type: str, requested: str) -> dict[str, Any]:

@@ -37,7 +37,15 @@ def _bench_commands() -> list[str]:
     return found
 
 
-COMMANDS = ["trainer.estimate", "trainer.export", "trainer.check", "trainer.report", "bench", *_bench_commands()]
+COMMANDS = [
+    "trainer.estimate",
+    "trainer.export",
+    "trainer.check",
+    "trainer.report",
+    "trainer.families",
+    "bench",
+    *_bench_commands(),
+]
 
 
 @pytest.mark.parametrize("module", COMMANDS)
@@ -51,7 +59,7 @@ def test_every_command_answers_help(module: str) -> None:
 
 
 def test_the_bench_commands_are_found() -> None:
-    assert {"bench.policies", "bench.planner", "bench.hf_families"} <= set(COMMANDS)
+    assert {"bench.policies", "bench.planner", "bench.compiled"} <= set(COMMANDS)
 
 
 def test_the_bench_runner_lists_every_table_command_and_refuses_an_unknown_one() -> None:
@@ -59,7 +67,7 @@ def test_the_bench_runner_lists_every_table_command_and_refuses_an_unknown_one()
     and an unknown table is one error line naming the choices, exit 2."""
     from bench.__main__ import TABLES
 
-    listed = {t.module.removesuffix(".sweep") for t in TABLES.values()}
+    listed = {t.module for t in TABLES.values()}
     assert listed == set(_bench_commands())
     r = subprocess.run([sys.executable, "-m", "bench", "nope"], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "choose one of policies" in r.stderr

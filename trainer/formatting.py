@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from trainer import CONF
 
 MIB = 2**20  # every figure the project prints or logs in MiB divides by this
 
@@ -43,3 +47,43 @@ def flops_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} FLOP"
+
+
+# Docs pages: a command that makes a table writes it between its markers on a page, the rest untouched.
+
+
+def replace_block(path: Path, start: str, end: str, block: str, heading: str) -> None:
+    """Put `block` between the `start` and `end` markers of `path`, leaving everything else as it was.
+
+    If the markers are missing (or out of order), a new section `heading` holding them is appended at the end.
+    """
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    body = f"{start}\n{block}\n{end}"
+    if start in text and end in text and text.index(start) < text.index(end):
+        pre, rest = text.split(start, 1)
+        _, post = rest.split(end, 1)
+        text = pre + body + post
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + body + "\n"
+    path.write_text(text)
+
+
+def add_page_arguments(ap: argparse.ArgumentParser, page: Path, blocks: str) -> None:
+    """--write-docs (rewrite `blocks`, the marked blocks this benchmark writes, on --page) and --page, with their
+    former names --write-readme and --readme: every benchmark that writes a docs table takes the same two flags."""
+    ap.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help=f"rewrite {blocks} of --page (--write-readme: the same, its former name)",
+    )
+    ap.add_argument(
+        "--page",
+        "--readme",
+        dest="page",
+        type=Path,
+        default=page,
+        help=f"the docs page that --write-docs rewrites (default: {page.relative_to(CONF.parent)}; --readme: the same)",
+    )

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._readme import HF_FAMILIES_PAGE, ROOT, add_page_arguments, cpu_name, replace_block
-from bench.hf_families.family import (
+from trainer import CONF
+from trainer.families.family import (
     ESTIMATE_SLACK_BYTES,
     LOSS_TOLERANCE,
     MEMORY_MIB,
@@ -29,10 +29,14 @@ from bench.hf_families.family import (
     TIMEOUT_S,
     family_row,
 )
+from trainer.formatting import add_page_arguments, replace_block
+from trainer.measure.time.calibration import cpu_name
 
 START, END = "<!-- hf-families:start -->", "<!-- hf-families:end -->"
 HEADING = "## Measured: every Hugging Face causal-LM family"
-COMMAND = "python -m bench.hf_families"
+ROOT = CONF.parent
+HF_FAMILIES_PAGE = ROOT / "docs" / "hf-families.md"  # the sweep's table
+COMMAND = "python -m trainer.families"
 
 # ----------------------------------------------------------------------------------------------------
 # The sweep: one subprocess per family, results written as each finishes.
@@ -90,7 +94,7 @@ class FamilyJob:
         cmd = [
             sys.executable,
             "-m",
-            "bench.hf_families",
+            "trainer.families",
             "--one",
             model_type,
             "--row",
@@ -342,7 +346,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="policies whose estimate is held to a real run (default: none and every checked policy)",
     )
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default runs/bench/hf_families/<stamp>)")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default runs/trainer/families/<stamp>)")
     ap.add_argument("--resume", type=Path, default=None, help="a results folder to go on with (skips its families)")
     ap.add_argument("--render", type=Path, default=None, help="only render an existing results folder")
     ap.add_argument("--jobs", type=int, default=1, help="families at once (default 1)")
@@ -453,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-        out = args.resume or args.out or ROOT / "runs" / "bench" / "hf_families" / stamp
+        out = args.resume or args.out or ROOT / "runs" / "families" / stamp
         out.mkdir(parents=True, exist_ok=True)
         log(f"{len(families)} families, {args.jobs} at a time, {args.timeout:g} s each at most → {out}")
         rows = sweep(args, out, families, log)

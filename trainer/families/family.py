@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.hf_families.configs import OVERRIDES, default_config, non_text_reason, tiny_config
+from trainer.families.configs import OVERRIDES, default_config, non_text_reason, tiny_config
 
 POLICIES = ("full", "selective", "op_sac", "sqrt", "every_k")
 ESTIMATE_POLICIES = ("none", *POLICIES)

@@ -1,10 +1,10 @@
 """Every causal-LM family the installed transformers registers, through the project's real entry points.
 
-    python -m bench.hf_families                                   # every family, one at a time (hours on 2 cores)
-    python -m bench.hf_families --families llama,gpt2,mamba --jobs 2
-    python -m bench.hf_families --policies full,selective --out runs/bench/hf_families/mine
-    python -m bench.hf_families --resume runs/bench/hf_families/<stamp>   # go on where a sweep stopped
-    python -m bench.hf_families --render runs/bench/hf_families/<stamp> --write-docs   # table only, no run
+    python -m trainer.families                                   # every family, one at a time (hours on 2 cores)
+    python -m trainer.families --families llama,gpt2,mamba --jobs 2
+    python -m trainer.families --policies full,selective --out runs/trainer/families/mine
+    python -m trainer.families --resume runs/trainer/families/<stamp>   # go on where a sweep stopped
+    python -m trainer.families --render runs/trainer/families/<stamp> --write-docs   # table only, no run
 
 The families are `transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: the registry, not a
 hand list. For each one, in its own subprocess (a crash or a hang ends that family's row, not the sweep; `--timeout`
@@ -43,12 +43,12 @@ results.csv and summary.md; `--write-docs` (formerly `--write-readme`) puts summ
 of docs/hf-families.md.
 
 Inside: `configs` (the tiny config), `family` (one family's row) and `sweep` (the sweep, its results, the command
-line: `python -m bench.hf_families`).
+line: `python -m trainer.families`).
 """
 
-from bench.hf_families.configs import VOCAB, _layers, default_config, non_text_reason, shrink, tiny_config
-from bench.hf_families.family import ESTIMATE_SLACK_BYTES, LOSS_TOLERANCE, POLICIES, FamilyRun, family_row
-from bench.hf_families.sweep import END, START, broken_row, main, markdown, quiet, registered_families, write_results
+from trainer.families.configs import VOCAB, _layers, default_config, non_text_reason, shrink, tiny_config
+from trainer.families.family import ESTIMATE_SLACK_BYTES, LOSS_TOLERANCE, POLICIES, FamilyRun, family_row
+from trainer.families.sweep import END, START, broken_row, main, markdown, quiet, registered_families, write_results
 
 __all__ = [
     "END",

@@ -1,5 +1,0 @@
-import sys
-
-from bench.hf_families.sweep import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.families.sweep import main
+
+sys.exit(main())
