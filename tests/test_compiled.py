@@ -359,6 +359,7 @@ def test_auto_under_compile_plans_the_compiled_step_and_the_run_keeps_to_it(tmp_
         "trainer.val_every_n_steps=100",
         "measure.warmup_steps=1",
         "measure.activation_every_n_steps=2",
+        "measure.predict=false",  # the run's own compiled prediction is test_train's; here the plan's is checked
         f"hydra.run.dir={tmp_path}",
         timeout=600,
     )
