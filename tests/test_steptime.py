@@ -171,8 +171,8 @@ def test_a_catalogue_gpu_states_its_assumptions() -> None:
 
 
 def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The calibration runs for real, one round of its micro-benchmark rather than the median of three (a round
-    takes most of a minute where bf16 is emulated): what is checked is the cache, and the figures it holds."""
+    """The calibration runs for real, one round of its micro-benchmark rather than the median of three: what is
+    checked is the cache, and the figures it holds."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibration, "CALIBRATION_ROUNDS", 1)
     monkeypatch.setattr(calibration, "_CPU", {})
@@ -189,6 +189,17 @@ def test_the_cpu_is_calibrated_once_and_cached(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(calibration, "_CPU", {})
     assert "measured now" in calibration.cpu_speed().describe()
     assert json.loads(files[0].read_text())["matmul"] is not None
+
+
+def test_the_matmul_curve_stops_at_its_plateau(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the first product that takes over _PLATEAU_S the curve is not measured (flat beyond its last point):
+    where bf16 is emulated a 1024³ product alone takes a second."""
+    monkeypatch.setattr(calibration, "_PLATEAU_S", 0.0)
+    with torch.no_grad():
+        curve = calibration._matmul_curve(torch.float32, 0.0)
+    m, k, n = calibration._MATMUL_SHAPES[0]
+    assert len(curve) == 1 and curve[0][0] == 2 * m * k * n and curve[0][1] > 0
+    assert roofline._rate(curve, 1e12) == curve[0][1]
 
 
 def test_op_sac_decisions_are_counted_and_full_makes_none() -> None:

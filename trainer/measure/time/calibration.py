@@ -36,7 +36,7 @@ from trainer.measure.time.roofline import RateCurve, Speed, gpu_speed
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 _MATMUL_SHAPES = ((256, 64, 64), (256, 256, 256), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 1024))
 _POINTWISE_SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
 
@@ -124,9 +124,15 @@ def _cycled_s(fn: Callable[..., Any], pool: list[tuple[torch.Tensor, ...]], reps
     return _median_s(lambda: fn(*pool[next(it) % len(pool)]), reps, warmup=len(pool) % 3 + 1)
 
 
+# A product this long is compute-bound at its plateau: larger shapes would add seconds (a minute per calibration
+# where bf16 is emulated, at ~2 GFLOP/s) and no information; the curve is flat beyond its last point.
+_PLATEAU_S = 0.05
+
+
 def _matmul_curve(dtype: torch.dtype, op_s: float) -> RateCurve:
     """FLOP/s by op size: the median over a step's layouts (A·B, Aᵀ·B as weight gradients take it, A·Bᵀ as a linear
-    layer takes its weight) and over batched products (attention's), each on cold operands."""
+    layer takes its weight) and over batched products (attention's), each on cold operands; up to the first size
+    whose product takes over _PLATEAU_S."""
     points = []
     for m, k, n in _MATMUL_SHAPES:
         flops = 2 * m * k * n
@@ -140,6 +146,8 @@ def _matmul_curve(dtype: torch.dtype, op_s: float) -> RateCurve:
         reps = 3 if flops < 1e9 else 2
         t = statistics.median(_cycled_s(fn, _cold(make, nbytes), reps) for make, fn in layouts)
         points.append((float(flops), flops / max(t - op_s, t / 2)))
+        if t > _PLATEAU_S:
+            break
     return tuple(points)
 
 
@@ -268,7 +276,7 @@ def _speed_from(doc: dict[str, Any], source: str, clock: OpClock | None = None) 
         sac_s=doc["sac_s"],
         assumptions=(
             f"calibrated on this CPU ({source}): matmul {flops_text(doc['matmul']['fp32'][-1][1])}/s fp32, "
-            f"{flops_text(doc['matmul']['bf16'][-1][1])}/s bf16 at 1024³; pointwise "
+            f"{flops_text(doc['matmul']['bf16'][-1][1])}/s bf16 (the largest products timed); pointwise "
             f"{mem[1] / 1e9:.1f} GB/s at {mem[0] / 2**20:.0f} MiB (cold)",
             f"{doc['op_s'] * 1e6:.1f} µs per op launched, {doc['sac_s'] * 1e6:.1f} µs per SAC decision, "
             f"{doc['threads']} thread(s), one op after another",
