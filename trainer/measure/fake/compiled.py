@@ -275,11 +275,22 @@ def fake_compiled_runtime() -> Iterator[None]:
 
 
 def run_generated_code(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """compile_fx's inner compiler: inductor's own (`compile_fx_inner`), its generated module loaded on fakes."""
+    """compile_fx's inner compiler: inductor's own (`compile_fx_inner`), its generated module loaded on fakes.
+
+    CPU kernels are generated scalar only (`cpp.simdlen=1`): they are never built or run, and a `FusedKernel` reads
+    only its signature and the functions its loops call, which the scalar loop (generated in every case, and the
+    vectorized kernel's tail) holds too; the buffers and their reuse are the scheduler's and the scalar kernel's,
+    whatever the vector width. Inductor's vectorized and tiled variants of each loop nest were most of the code
+    generation time of a compiled estimate."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
 
-    with fake_compiled_runtime(), mock.patch.object(GraphLowering, "_compile_to_module_lines", _load_on_fakes):
+    with (
+        fake_compiled_runtime(),
+        mock.patch.object(GraphLowering, "_compile_to_module_lines", _load_on_fakes),
+        inductor_config.patch({"cpp.simdlen": 1}),
+    ):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
