@@ -23,6 +23,9 @@ LightningModule use. Nothing outside models/ names a model class or reaches into
                                    (the tensor itself, or its first element); `passes_more` (router state for the
                                    next layer) means blocks cannot be grouped: every_k and sqrt refuse
     adapter.describe()             family and shape, for summaries and the estimator's header
+    adapter.tensor_parallel_plan(sequence_parallel)
+                                   torch ParallelStyles by module path (trainer/parallel/tensor.py applies them),
+                                   or None where the family has none; `tensor_parallel_divisors()` what t divides
 
 Each family registers a FamilySpec (its adapter and builder) from its own module, and this module imports none:
 this project's own decoders share models/native.py's adapter (`layers`, `hidden_states`, `lm_head`, and a
@@ -151,6 +154,15 @@ class DecoderAdapter:
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         raise NotImplementedError
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any] | None:
+        """torch ParallelStyles by module path (`*` for any layer, as `parallelize_module` reads them) that split
+        the model Megatron's way over a tensor-parallel mesh; None where the family has no plan."""
+        return None
+
+    def tensor_parallel_divisors(self) -> dict[str, int]:
+        """The sizes a tensor-parallel degree must divide, by the config key that sets each."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         raise NotImplementedError

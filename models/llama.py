@@ -121,15 +121,16 @@ class LlamaAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         # (B, T, heads·head_dim) -> (B, heads, T, head_dim)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Head counts as -1: under tensor parallelism each rank holds its share of the heads (n_head / t).
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.core_attention(q, k, v)
-        # (B, n_head, T, head_dim) -> (B, T, C)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        # (B, n_head, T, head_dim) -> (B, T, n_head·head_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.o_proj(y)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -217,6 +218,47 @@ class Llama(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any]:
+        """Megatron's split as torchtitan writes it for its LLaMA: q/k/v and gate/up by output column, o and down
+        by input row; with sequence parallelism the embedding's output, the norms and the residual stream are
+        sharded by sequence (dimension 1) and each block's input is all-gathered where the projections need it
+        whole. The head splits by vocabulary and gathers its logits whole."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        seq = Shard(1) if sequence_parallel else Replicate()
+        plan: dict[str, Any] = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        }
+        layer = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan["model.norm"] = SequenceParallel()
+            layer |= {
+                "input_layernorm": SequenceParallel(),
+                # (x, cos, sin): the rotary tables are whole on every rank and stay plain tensors
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        plan |= {f"model.layers.*.{name}": style for name, style in layer.items()}
+        return plan
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""

@@ -50,6 +50,18 @@ class NativeAdapter(DecoderAdapter):
         core = type(attn).core_attention.__get__(attn)  # the class's method: a wrapper never wraps itself
         attn.core_attention = functools.partial(wrapper, core)
 
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any] | None:
+        plan = getattr(self.model, "tensor_parallel_plan", None)
+        return plan(sequence_parallel) if plan is not None else None
+
+    def tensor_parallel_divisors(self) -> dict[str, int]:
+        c = self.model.config
+        return {
+            "model.n_head": c.n_head,
+            "model.n_kv_head": getattr(c, "n_kv_head", None) or c.n_head,
+            "vocab_size": self.head.weight.shape[0],
+        }
+
     def describe(self) -> dict[str, Any]:
         c = self.model.config
         return {
