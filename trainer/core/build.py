@@ -70,4 +70,10 @@ def module(
         hf_config=hf_config,
     )
     m.fsdp_param_dtype = precision_.fsdp2_param_dtype(precision or config.precision, config.trainer)
+    t = config.trainer
+    m.sequence_parallel = t.sequence_parallel
+    if t.tensor_parallel > 1:  # what the degree must divide in this model, before a process group exists
+        from trainer.parallel import tensor
+
+        tensor.check(m.adapter, t.tensor_parallel, sequence_parallel=t.sequence_parallel, seq_len=config.seq_len)
     return m

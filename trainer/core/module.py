@@ -76,6 +76,9 @@ class DecoderModule(L.LightningModule):
     # precision=bf16-mixed under trainer=fsdp2: shards stay fp32, all-gathers and compute run in it. None: shards
     # are all-gathered and used in their own dtype.
     fsdp_param_dtype: torch.dtype | None = None
+    # Megatron's tensor parallelism (trainer/parallel/tensor.py), set by the builder from trainer.tensor_parallel /
+    # trainer.sequence_parallel; applied on the mesh's "tensor_parallel" dimension when it has more than one rank.
+    sequence_parallel: bool = True
 
     def __init__(
         self,
@@ -128,15 +131,22 @@ class DecoderModule(L.LightningModule):
         return adapter_for(self.model)
 
     def configure_model(self) -> None:
-        # FSDP2 (Lightning's ModelParallelStrategy hands us a device mesh): shard each decoder layer, then the root.
-        # The policy was applied in __init__, so recompute happens inside each shard's all-gather/free window.
+        # Lightning's ModelParallelStrategy hands us a device mesh: tensor parallelism on its "tensor_parallel"
+        # dimension, then FSDP2 on "data_parallel", each decoder layer, then the root (torchtitan's order). The
+        # policy was applied in __init__ as forward overrides, which call the layers' own modules, so TP's hooks and
+        # collectives run inside it (and again in its recompute) and recompute happens inside each shard's
+        # all-gather/free window.
         mesh = self.device_mesh
         if mesh is not None and not self._sharded:
             from torch.distributed.fsdp import fully_shard
 
+            from trainer.parallel import tensor
             from trainer.precision import mp_policy
 
-            dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+            names = mesh.mesh_dim_names or ()
+            if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+                tensor.apply(self.model, mesh["tensor_parallel"], self.sequence_parallel)
+            dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
             kwargs = {"mp_policy": mp_policy(self.fsdp_param_dtype)} if self.fsdp_param_dtype is not None else {}
             for layer in self.adapter.layers:
                 fully_shard(layer, mesh=dp_mesh, **kwargs)

@@ -1,11 +1,11 @@
 """What a configuration settles into on a machine, settled once: the device, the precision (auto chosen by the
 hardware, every refusal of a precision the device or the strategy cannot run), the Hugging Face config, the
-vocabulary and the data-parallel world. The run, `trainer.check`, the estimator's session, a configuration's plan
-and the benchmarks all start here, so none of them settles a fact its own way.
+vocabulary, the data-parallel world and the tensor-parallel degree. The run, `trainer.check`, the estimator's
+session, a configuration's plan and the benchmarks all start here, so none of them settles a fact its own way.
 
     facts = resolve(config)                       # the run's machine: the device Lightning will train on
     facts = resolve(config, "cuda", estimate=True)  # an estimate for CUDA, on a machine that may have none
-    facts.device, facts.precision, facts.why, facts.hf_config, facts.vocab, facts.world
+    facts.device, facts.precision, facts.why, facts.hf_config, facts.vocab, facts.world, facts.tensor_parallel
 
 Lightning settles the same facts inside `Trainer(...)` (its accelerator and precision connectors); they are settled
 here before it, because the estimator and the checker build the module without a Trainer, and a refusal must come
@@ -33,6 +33,7 @@ class Resolved:
     hf_config: Any  # model=hf: its transformers config, read once; None for a native family
     vocab: int | None  # the vocabulary the model is built for, without reading data (None: the tokenizer's, later)
     world: int  # the data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1
+    tensor_parallel: int = 1  # the ranks each layer is split over (trainer.tensor_parallel), 1 without
 
 
 def train_device(config: Config) -> str:
@@ -67,13 +68,43 @@ def hf_config(config: Config) -> Any:
 
 
 def sharded_world(config: Config) -> int:
-    """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2), else 1."""
+    """The data-parallel ranks FSDP2 shards over (trainer.strategy=fsdp2; the devices a tensor-parallel group does
+    not take), else 1."""
     t = config.trainer
     if t.strategy != "fsdp2":
         return 1
     if not isinstance(t.devices, int) or t.devices < 1:
         raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
-    return t.devices * t.num_nodes
+    return t.devices * t.num_nodes // tensor_parallel(config)
+
+
+def tensor_parallel(config: Config) -> int:
+    """The tensor-parallel degree, its refusals that need no model: it runs on FSDP2's 2-D mesh, divides the devices,
+    and is not compiled yet. What it must divide in the model is checked on the model (trainer/parallel/tensor.py)."""
+    t = config.trainer
+    degree = t.tensor_parallel
+    if degree == 1:
+        return 1
+    if t.strategy != "fsdp2":
+        raise ConfigError(
+            f"trainer.tensor_parallel={degree} runs on FSDP2's 2-D device mesh; add trainer=fsdp2 "
+            f"trainer.devices={degree} (or a multiple of it)"
+        )
+    if not isinstance(t.devices, int) or (t.devices * t.num_nodes) % degree:
+        raise ConfigError(
+            f"trainer.tensor_parallel={degree} does not divide the {t.devices} × {t.num_nodes} devices; "
+            f"set trainer.devices to a multiple of {degree}"
+        )
+    if t.compile:
+        raise ConfigError(
+            f"trainer.tensor_parallel={degree} with trainer.compile=true is not supported yet; drop one of them"
+        )
+    if config.loss.name != "standard":
+        raise ConfigError(
+            f"loss={config.loss.name} reads the head's weight directly, which tensor parallelism splits by "
+            "vocabulary; use loss=standard with trainer.tensor_parallel"
+        )
+    return degree
 
 
 def settle_precision(config: Config, device: str, *, estimate: bool = False) -> tuple[str, str]:
@@ -111,4 +142,4 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     device = device or train_device(config)
     chosen, why = settle_precision(config, device, estimate=estimate)
     world = sharded_world(config)
-    return Resolved(device, chosen, why, hf_config(config), model_vocab(config), world)
+    return Resolved(device, chosen, why, hf_config(config), model_vocab(config), world, tensor_parallel(config))

@@ -157,9 +157,11 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
 
         if not isinstance(t.devices, int) or t.devices < 1:
             raise ConfigError(f"trainer.strategy=fsdp2 needs a device count, e.g. trainer.devices=2 (got {t.devices})")
-        # Pure data parallel: every process holds a shard (its "auto" sizes assume tensor parallelism).
+        # Explicit sizes (its "auto" puts every device of a node into tensor parallelism): FSDP2 over the devices a
+        # tensor-parallel group does not take, one 2-D mesh ("data_parallel", "tensor_parallel").
+        tp = t.tensor_parallel
         return ModelParallelStrategy(
-            data_parallel_size=t.devices * t.num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=False
+            data_parallel_size=t.devices * t.num_nodes // tp, tensor_parallel_size=tp, save_distributed_checkpoint=False
         )
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy

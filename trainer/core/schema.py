@@ -112,6 +112,10 @@ class TrainerConfig:
     # state); `autocast` is Lightning's autocast over fp32 shards (fp32 all-gathers). Other strategies autocast.
     mixed_precision: str = "fsdp2"
     num_nodes: int = 1
+    # Megatron's tensor parallelism over this many of the devices (trainer=fsdp2: FSDP2 shards over the rest, one 2-D
+    # mesh); sequence parallelism also shards the norms and the residual stream by sequence, as torchtitan runs it.
+    tensor_parallel: int = 1
+    sequence_parallel: bool = True
     compile: bool = False  # torch.compile the model (after the policy is applied)
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
@@ -134,6 +138,7 @@ class TrainerConfig:
             "val_every_n_steps",
             "val_batches",
             "num_nodes",
+            "tensor_parallel",
             "checkpoint_every_n_steps",
             "keep_checkpoints",
         ):

@@ -353,6 +353,11 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
+    if facts.tensor_parallel > 1:
+        raise ConfigError(
+            f"trainer.tensor_parallel={facts.tensor_parallel} is not estimated yet (the estimate runs FSDP2's ranks "
+            "without tensor parallelism); estimate trainer.tensor_parallel=1 for the FSDP2 share alone"
+        )
     if config.trainer.compile and world > 1:
         raise ConfigError(
             "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "

@@ -1,0 +1,63 @@
+"""Tensor parallelism with sequence parallelism: Megatron's layout (Korthikanti et al. 2022), as torchtitan applies
+it with torch's `parallelize_module`.
+
+    check(adapter, t)                          # what t must divide, refused in one line before a step is taken
+    apply(model, tp_mesh, sequence_parallel)   # the family's plan of torch ParallelStyles, on the "tensor_parallel"
+                                               # dimension of the run's device mesh
+
+Per layer, the attention's query/key/value and the MLP's gate/up projections are split by output column, the
+attention's output and the MLP's down projection by input row, so each rank holds n_head / t heads and 1 / t of the
+MLP; with sequence parallelism (on by default, as torchtitan and Megatron run it) the norms, the residual stream and
+the dropouts between the blocks hold 1 / t of the sequence, the all-reduce after each block becoming a reduce-scatter
+and the all-gather before the next. The plan itself is the family's (`DecoderAdapter.tensor_parallel_plan`): a
+model's layout is its own data, as transformers' `base_model_tp_plan` is.
+
+torch's `parallelize_module` does the sharding; ours adds the refusals a user can act on, and re-ties an embedding
+shared with the head (parallelize_module distributes each module's parameter on its own, which would untie them).
+
+Known limitations: the head's logits are gathered whole on every rank (torchtitan's loss parallelism, which keeps
+them sharded by vocabulary, is not offered yet); loss=chunked and loss=fused read the head's weight directly and are
+refused; trainer.compile is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from models.adapter import DecoderAdapter, adapter_for
+from trainer.errors import ConfigError
+
+
+def check(adapter: DecoderAdapter, t: int, *, sequence_parallel: bool, seq_len: int) -> None:
+    """Refuse, in one line naming the fix, a degree `t` this model cannot be split by."""
+    if adapter.tensor_parallel_plan(sequence_parallel) is None:
+        raise ConfigError(
+            f"trainer.tensor_parallel={t}: {type(adapter.model).__name__} has no tensor-parallel plan; use "
+            "trainer.tensor_parallel=1 (FSDP2 alone), or model=llama"
+        )
+    divides = dict(adapter.tensor_parallel_divisors())
+    if sequence_parallel:
+        divides["seq_len"] = seq_len
+    for name, n in divides.items():
+        if n % t:
+            raise ConfigError(
+                f"trainer.tensor_parallel={t} does not divide {name}={n}; pick a degree that divides it"
+                + (" (or trainer.sequence_parallel=false)" if name == "seq_len" else "")
+            )
+
+
+def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Shard `model` over `tp_mesh` with its family's plan (before FSDP2 and before compile, torchtitan's order)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    adapter = adapter_for(model)
+    plan = adapter.tensor_parallel_plan(sequence_parallel)
+    if plan is None:  # check() refused it before the run; a caller that skipped it still gets the one line
+        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan; use trainer.tensor_parallel=1")
+    head = adapter.head
+    tied = next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is head.weight), None)
+    parallelize_module(model, tp_mesh, plan)
+    if tied is not None:  # both styles shard the (V, C) weight by vocabulary row, so one DTensor serves both again
+        head.weight = tied.weight
