@@ -156,8 +156,9 @@ class DecoderAdapter:
         raise NotImplementedError
 
     def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any] | None:
-        """torch ParallelStyles by module path (`*` for any layer, as `parallelize_module` reads them) that split
-        the model Megatron's way over a tensor-parallel mesh; None where the family has no plan."""
+        """torch ParallelStyles by module path (`*` for any layer, as `parallelize_module` reads them; a tuple for
+        several on one module, applied in order) that split the model Megatron's way over a tensor-parallel mesh;
+        None where the family has no plan."""
         return None
 
     def tensor_parallel_divisors(self) -> dict[str, int]:

@@ -223,19 +223,23 @@ class Llama(nn.Module):
         """Megatron's split as torchtitan writes it for its LLaMA: q/k/v and gate/up by output column, o and down
         by input row; with sequence parallelism the embedding's output, the norms and the residual stream are
         sharded by sequence (dimension 1) and each block's input is all-gathered where the projections need it
-        whole. The head splits by vocabulary and gathers its logits whole."""
+        whole. The head splits by vocabulary and gathers its logits whole. A module given a tuple takes its styles
+        in order."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
+            PrepareModuleOutput,
             RowwiseParallel,
             SequenceParallel,
         )
 
+        from models.tensor_parallel import Replicated
+
         seq = Shard(1) if sequence_parallel else Replicate()
         plan: dict[str, Any] = {
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
         }
         layer = {
             "self_attn.q_proj": ColwiseParallel(),
@@ -247,7 +251,14 @@ class Llama(nn.Module):
             "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         }
         if sequence_parallel:
-            plan["model.norm"] = SequenceParallel()
+            # The final hidden states gathered whole where the norm ends, as (B, T, C): the loss flattens them to
+            # (B·T, C) before the head, and a sequence-sharded tensor flattened so is only expressible strided.
+            plan["model.norm"] = (
+                SequenceParallel(),
+                PrepareModuleOutput(
+                    output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+                ),
+            )
             layer |= {
                 "input_layernorm": SequenceParallel(),
                 # (x, cos, sin): the rotary tables are whole on every rank and stay plain tensors
@@ -257,6 +268,9 @@ class Llama(nn.Module):
                 "post_attention_layernorm": SequenceParallel(),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
+        else:  # the norms run whole on every rank, their weights replicated on the mesh
+            plan["model.norm"] = Replicated()
+            layer |= {"input_layernorm": Replicated(), "post_attention_layernorm": Replicated()}
         plan |= {f"model.layers.*.{name}": style for name, style in layer.items()}
         return plan
 
