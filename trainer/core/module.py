@@ -143,10 +143,12 @@ class DecoderModule(L.LightningModule):
             from trainer.parallel import tensor
             from trainer.precision import mp_policy
 
+            # By position: (data parallel, tensor parallel), as ModelParallelStrategy makes it and the estimator fakes
+            # it under names of its own; a 1-D mesh is data parallel alone.
             names = mesh.mesh_dim_names or ()
-            if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-                tensor.apply(self.model, mesh["tensor_parallel"], self.sequence_parallel)
-            dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
+            dp_mesh = mesh[names[0]] if mesh.ndim == 2 else mesh
+            if mesh.ndim == 2 and mesh.size(1) > 1:
+                tensor.apply(self.model, mesh[names[1]], self.sequence_parallel)
             kwargs = {"mp_policy": mp_policy(self.fsdp_param_dtype)} if self.fsdp_param_dtype is not None else {}
             for layer in self.adapter.layers:
                 fully_shard(layer, mesh=dp_mesh, **kwargs)

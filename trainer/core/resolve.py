@@ -99,12 +99,20 @@ def tensor_parallel(config: Config) -> int:
         raise ConfigError(
             f"trainer.tensor_parallel={degree} with trainer.compile=true is not supported yet; drop one of them"
         )
-    if config.loss.name != "standard":
-        raise ConfigError(
-            f"loss={config.loss.name} reads the head's weight directly, which tensor parallelism splits by "
-            "vocabulary; use loss=standard with trainer.tensor_parallel"
-        )
+    if why := loss_refused_under_tensor_parallel(config.loss.name, degree):
+        raise ConfigError(why)
     return degree
+
+
+def loss_refused_under_tensor_parallel(loss: str, degree: int) -> str | None:
+    """Why loss head `loss` cannot run split `degree` ways (None: it can): chunked and fused read the head's weight
+    directly, which tensor parallelism splits by vocabulary, outside the head's module and its hooks."""
+    if degree == 1 or loss == "standard":
+        return None
+    return (
+        f"loss={loss} reads the head's weight directly, which tensor parallelism splits by vocabulary; use "
+        "loss=standard with trainer.tensor_parallel"
+    )
 
 
 def settle_precision(config: Config, device: str, *, estimate: bool = False) -> tuple[str, str]:

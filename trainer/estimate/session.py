@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from trainer import precision as precision_
 from trainer.core import step as step_
 from trainer.core.module import explain_group_stand_ins
+from trainer.core.resolve import loss_refused_under_tensor_parallel
 from trainer.core.schema import Config, ConfigError
 from trainer.errors import PolicyError
 from trainer.loss import LossConfig
-from trainer.measure.fake.process_group import fake_mesh
+from trainer.measure.fake.process_group import fake_mesh, real_mesh_arithmetic, release
 from trainer.measure.memory.caching_allocator import replay
 from trainer.measure.time.collectives import Collectives
 from trainer.measure.time.op_trace import OpTrace, Work
@@ -186,8 +187,9 @@ class Session:
     rules: Any
     notes: list[str]
     world: int = 1  # data-parallel ranks (trainer=fsdp2): the figures are one rank's
+    tensor_parallel: int = 1  # the ranks each layer is split over (trainer.tensor_parallel)
     host: HostLedger = field(default_factory=HostLedger)  # offload's host copies (device cuda), per measure
-    group: Any = None  # trainer=fsdp2: the fake process group this session made, destroyed by close()
+    group: Any = None  # trainer=fsdp2: the fake process group(s) this session made, destroyed by close()
 
     @property
     def offloads(self) -> bool:
@@ -200,8 +202,8 @@ class Session:
         """Leave the fake process group of an FSDP2 estimate (a later estimate, or a run, may make its own), and
         under trainer.compile=true dynamo's caches of the fake graphs (a run predicting itself compiles its own
         model next). Its figures stay readable; measuring on it again is not possible."""
-        if not self.closed and self.group is not None and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(self.group)
+        if not self.closed:
+            release(self.group)
         if not self.closed and self.config.trainer.compile:
             from torch._dynamo import reset
 
@@ -211,7 +213,7 @@ class Session:
     def release_group(self) -> Session | None:
         """The session still usable alongside another world size's: itself on one device, else None (closed, so
         its process group is free for the next FSDP2 estimate: one process holds one)."""
-        if self.world > 1:
+        if self.group is not None:
             self.close()
         return None if self.closed else self
 
@@ -353,18 +355,20 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
-    if facts.tensor_parallel > 1:
-        raise ConfigError(
-            f"trainer.tensor_parallel={facts.tensor_parallel} is not estimated yet (the estimate runs FSDP2's ranks "
-            "without tensor parallelism); estimate trainer.tensor_parallel=1 for the FSDP2 share alone"
-        )
     if config.trainer.compile and world > 1:
         raise ConfigError(
             "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "
             "estimate trainer.compile=true without FSDP2, or FSDP2 without compile"
         )
-    mesh, group = fake_mesh(world, fake_device) if world > 1 else (None, None)
-    if mesh is not None:
+    tp = facts.tensor_parallel
+    mesh, group = fake_mesh(world * tp, fake_device, tp) if world * tp > 1 else (None, None)
+    if tp > 1:
+        seq = f", the norms and the residual stream 1/{tp} of the sequence" if config.trainer.sequence_parallel else ""
+        notes.append(
+            f"trainer.tensor_parallel={tp}: one rank of a tensor-parallel group of {tp} (a fake process group): each "
+            f"layer's heads and MLP split {tp} ways{seq}, the head's logits gathered whole"
+        )
+    if world > 1:
         notes.append(
             f"trainer=fsdp2: one rank of {world} (a fake process group): parameters, gradients and AdamW state "
             f"sharded {world} ways (FSDP2 per layer, then the root), each layer's all-gather buffers, the same "
@@ -391,7 +395,8 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
                 _to_dtype(module, dtype)  # what the plugin's convert_module (module.to(dtype)) does
             if mesh is not None:  # what Lightning's ModelParallelStrategy does with the module: its configure_model
                 module._device_mesh = mesh
-                module.configure_model()
+                with real_mesh_arithmetic():
+                    module.configure_model()
             module.train()
             if device == "cuda":  # what torch picks for real CUDA parameters, never for fake ones
                 module.optimizer_foreach = True
@@ -413,6 +418,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             rules,
             notes,
             world,
+            tensor_parallel=tp,
             group=group,
         )
         with session.active():
@@ -420,8 +426,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             # parameter no backward reaches (DeepSeek-V3.2's indexer runs under no_grad) has neither, as in the run.
             session.step()
     except BaseException:
-        if group is not None:  # nothing half-made left behind: a later estimate makes its own
-            torch.distributed.destroy_process_group(group)
+        release(group)  # nothing half-made left behind: a later estimate makes its own
         raise
     notes.append(
         "a steady-state step as train.py runs it: forward with last step's gradients alive, zero_grad, backward, "
@@ -480,6 +485,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     module = session.module
     configured_loss = module.loss_config
     if loss is not None:
+        if why := loss_refused_under_tensor_parallel(loss.name, session.tensor_parallel):
+            raise ValueError(why)
         module.loss_config = loss
     session.host = HostLedger()
     try:

@@ -1,4 +1,5 @@
-"""Fake-tensor rules for CPU kernels that torch's fake mode gets wrong, registered only for an estimate's fake run.
+"""Fake-tensor rules for kernels whose fake output torch gets wrong, registered only for an estimate's fake run: a
+CPU kernel's output, and a collective's wait that hands back its input.
 
 `aten._grouped_mm` (the grouped matmul of Mixture-of-Experts layers: transformers' default `grouped_mm` experts run
 `torch.nn.functional.grouped_mm`, one call per projection and two more in its backward) has a CPU kernel for
@@ -87,13 +88,22 @@ def grouped_mm_cpu_fake(
     return torch.empty_strided(size, stride, dtype=mat_a.dtype, device=mat_a.device)
 
 
+def wait_tensor_fake(tensor: torch.Tensor) -> torch.Tensor:
+    """`_c10d_functional.wait_tensor` hands back the tensor it waited on (the collective's output, filled in place);
+    torch's fake kernel makes a new one, so on fake tensors each collective a DTensor waits on (tensor parallelism's
+    all-gathers and reduce-scatters) would be counted twice while both are alive."""
+    return tensor
+
+
 @contextlib.contextmanager
 def cpu_kernel_rules() -> Iterator[None]:
-    """The rules above, for this context only (a torch.library fake registration, removed on exit)."""
+    """The rules above, for this context only (torch.library fake registrations, removed on exit)."""
     # Needed: torch's _grouped_mm meta kernel is CUDA's (bf16 only), so an fp32 MoE fails on fake tensors, not on CPU.
-    lib = torch.library.Library("aten", "FRAGMENT")
+    libs = [torch.library.Library("aten", "FRAGMENT"), torch.library.Library("_c10d_functional", "FRAGMENT")]
     try:
-        torch.library.register_fake("aten::_grouped_mm", grouped_mm_cpu_fake, lib=lib)
+        torch.library.register_fake("aten::_grouped_mm", grouped_mm_cpu_fake, lib=libs[0])
+        torch.library.register_fake("_c10d_functional::wait_tensor", wait_tensor_fake, lib=libs[1])
         yield
     finally:
-        lib._destroy()
+        for lib in libs:
+            lib._destroy()
