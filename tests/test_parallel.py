@@ -123,10 +123,12 @@ def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tm
 
 
 @pytest.mark.slow
-def test_fsdp2_by_tensor_parallel_run_on_four_processes(tmp_path: Path) -> None:
+def test_fsdp2_by_tensor_parallel_run_on_four_processes_as_each_rank_predicted(tmp_path: Path) -> None:
     """FSDP2 × TP on a 2 × 2 mesh through Lightning trains as FSDP2 alone on the same two data-parallel ranks does
-    (fp32: within a reduction order), every rank holding the same parameters, and each rank's activations are
-    smaller: each keeps half the heads and, with sequence parallelism, half of the sequence between them."""
+    (fp32: within a reduction order), every rank holding the same parameters; each rank's activations are smaller
+    (half the heads, and with sequence parallelism half of the sequence between them), and every rank's own
+    prediction (one rank of the 2 × 2 mesh on fake tensors and a fake process group) equals what it measured, to the
+    byte: the activation peak and the step's whole peak."""
     runs = {}
     for tp, devices in ((2, 4), (1, 2)):
         run_dir = tmp_path / f"tp{tp}"
@@ -140,6 +142,7 @@ def test_fsdp2_by_tensor_parallel_run_on_four_processes(tmp_path: Path) -> None:
             "policy=selective",
             "precision=32-true",
             "trainer.max_steps=3",
+            f"measure.predict={tp > 1}",
             f"hydra.run.dir={run_dir}",
             timeout=300,
         )
@@ -149,6 +152,9 @@ def test_fsdp2_by_tensor_parallel_run_on_four_processes(tmp_path: Path) -> None:
     assert split["world_size"] == 4 and len({r["param_checksum"] for r in split["per_rank"]}) == 1
     assert split["final_train_loss"] == pytest.approx(alone["final_train_loss"], abs=1e-5)
     assert split["activation_peak_mib"] < alone["activation_peak_mib"]
+    assert split["predicted_activation_peak_mib"] == split["activation_peak_mib"], split.get("prediction_note")
+    assert split["predicted_peak_total_mib"] == split["peak_total_mib"]
+    assert all(r["predicted_activation_peak_mib"] == r["activation_peak_mib"] for r in split["per_rank"])
 
 
 def _config(*overrides: str) -> Any:
@@ -190,13 +196,40 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
     assert "\n" not in str(e.value)
 
 
-def test_the_estimate_says_it_does_not_split_yet() -> None:
-    """Until the estimator runs a tensor-parallel rank, it refuses rather than print FSDP2's unsplit share (a run's
-    summary carries this line as its prediction_note)."""
-    from trainer.estimate import open_session
+def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
+    """One rank of TP 2 on fake tensors: the kept activations per layer shrink (half the heads, and with sequence
+    parallelism half the sequence of the norms and residual stream), parameters are half; the loss heads that read
+    the head's weight directly say why not, in one line."""
+    from trainer.estimate import measure, open_session
+    from trainer.loss import LossConfig
+    from trainer.policies import build_policy
 
-    with pytest.raises(ConfigError, match="tensor_parallel=2 is not estimated yet"):
-        open_session(_config("trainer.tensor_parallel=2"), "cpu")
+    def estimate(*overrides: str, loss: str | None = None) -> Any:
+        config = compose_config(
+            [
+                "model=llama-tiny",
+                "model.n_layer=2",
+                "trainer=fsdp2",
+                "trainer.devices=2",
+                "precision=32-true",
+                "seq_len=32",
+                "batch_size=2",
+                *overrides,
+            ]
+        )
+        session = open_session(config, "cpu")
+        try:
+            return measure(session, build_policy("none"), LossConfig(loss) if loss else None)
+        finally:
+            session.close()
+
+    alone, split = estimate(), estimate("trainer.tensor_parallel=2")
+    # FSDP2 shards over the ranks a TP group does not take: 2 alone, 1 × TP 2 split (the norms stay whole)
+    assert split.components["parameters"] == pytest.approx(alone.components["parameters"], rel=0.01)
+    assert all(s < a for s, a in zip(split.kept_per_layer, alone.kept_per_layer, strict=True))
+    assert split.activation_bytes < alone.activation_bytes
+    with pytest.raises(ValueError, match="loss=chunked reads the head's weight directly"):
+        estimate("trainer.tensor_parallel=2", loss="chunked")
 
 
 def test_sequence_parallel_off_lets_any_sequence_length_through() -> None:

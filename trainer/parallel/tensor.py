@@ -58,6 +58,8 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
         raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan; use trainer.tensor_parallel=1")
     head = adapter.head
     tied = next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is head.weight), None)
-    parallelize_module(model, tp_mesh, plan)
+    for path, styles in plan.items():  # a tuple: several styles on one module, their hooks in that order
+        for style in styles if isinstance(styles, tuple) else (styles,):
+            parallelize_module(model, tp_mesh, {path: style})
     if tied is not None:  # both styles shard the (V, C) weight by vocabulary row, so one DTensor serves both again
         head.weight = tied.weight

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class HostLedger:
@@ -83,6 +84,8 @@ class ActivationOffloader:
         ledger = _LEDGER.get()
         if (t.device.type != "cuda" and ledger is None) or t.nbytes < self.min_bytes or _is_parameter(t):
             return t
+        if is_traceable_wrapper_subclass(t):  # a DTensor (tensor parallelism's norms under SP): a wrapper with no
+            return t  # bytes of its own to copy; it stays, the plain tensors around it move
         if ledger is not None:
             return self._pack_to_ledger(segment, t, ledger)
         d2h, _ = self._side_streams()
