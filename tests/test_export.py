@@ -119,6 +119,24 @@ def test_megatron_settings_are_what_its_transformer_config_takes() -> None:
             TransformerConfig(**base, **bad)
 
 
+TP = ["trainer=fsdp2", "trainer.devices=4", "trainer.tensor_parallel=2"]
+
+
+def test_megatron_tensor_parallel_is_its_own_model_parallel_fields() -> None:
+    """trainer.tensor_parallel=2 (SP on, off) as megatron.training's flags: each a ModelParallelConfig field that
+    TransformerConfig inherits and accepts; sequence parallelism a switch, written only when on."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the `export` extra)")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    for sp, switch in ((True, " --sequence-parallel"), (False, "")):
+        form = exported("megatron", *LLAMA, *TP, f"trainer.sequence_parallel={sp}", "policy=full").forms[0]
+        settings = form.chosen.settings
+        assert settings["tensor_model_parallel_size"] == 2 and settings["sequence_parallel"] is sp
+        assert form.text.endswith("--tensor-model-parallel-size 2" + switch), form.text
+        TransformerConfig(**base, **settings)  # accepted
+
+
 # ---- torchtitan -----------------------------------------------------------------------------------
 
 
@@ -148,6 +166,8 @@ def test_torchtitan_toml_parses_as_toml() -> None:
     tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
     toml_form = exported("torchtitan", *TINY, *EVERY_SECOND).forms[1]
     assert tomllib.loads(toml_form.text) == toml_form.chosen.settings  # its one key, activation_checkpoint
+    split = exported("torchtitan", *LLAMA, *TP, "policy=full").forms[1]
+    assert tomllib.loads(split.text)["parallelism"] == {"tensor_parallel_degree": 2, "enable_sequence_parallel": True}
 
 
 def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
@@ -187,6 +207,21 @@ def test_torchtitan_arguments_parse_with_its_own_parser() -> None:
         assert {k: getattr(parsed, k) for k in fields} == fields, (ours, form.chosen.settings["args"])
         assert parsed.mixed_precision_reduce == "float32"
         assert "--training." in form.text
+    # The tensor-parallel layout travels as its [parallelism] fields, read by its own parser
+    from torchtitan.config.configs import ParallelismConfig
+
+    Config = dataclasses.make_dataclass(
+        "Config",
+        [
+            ("activation_checkpoint", ac.ActivationCheckpointingConfig, field),
+            ("training", TrainingConfig, training),
+            ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig)),
+        ],
+    )
+    for sp in (True, False):
+        form = exported("torchtitan", *LLAMA, *TP, f"trainer.sequence_parallel={sp}", "policy=full").forms[0]
+        parsed = tyro.cli(Config, args=form.chosen.settings["args"], registry=custom_registry).parallelism
+        assert (parsed.tensor_parallel_degree, parsed.enable_sequence_parallel) == (2, sp)
 
 
 def test_torchtitan_per_op_policy_here_decides_as_torchtitan_does() -> None:

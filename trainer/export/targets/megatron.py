@@ -35,17 +35,22 @@ FLAG_ORDER = (
     "recompute_num_layers",
     "recompute_modules",
     "cpu_offloading_num_layers",
+    "tensor_model_parallel_size",
+    "sequence_parallel",
 )
 
 
 def flags(settings: dict[str, Any]) -> str:
     """TransformerConfig fields as megatron.training's flags: `--` and the field's name with dashes (lists spaced);
-    `cpu_offloading` is not a flag: `--cpu-offloading-num-layers N` > 0 sets it."""
+    `cpu_offloading` is not a flag: `--cpu-offloading-num-layers N` > 0 sets it; a switch is its flag alone."""
     out = []
     for key in FLAG_ORDER:
         if key in settings:
-            v = settings[key]
-            out.append(f"--{key.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+            v, flag = settings[key], f"--{key.replace('_', '-')}"
+            if isinstance(v, bool):  # megatron.training's switches take no value
+                out += [flag] if v else []
+            else:
+                out.append(f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v}")
     return " ".join(out)
 
 
@@ -83,6 +88,13 @@ class Megatron(Target):
         busy = [i for i, t in enumerate(per_block(plan) or ()) if t != "none"]
         if busy and busy[-1] + 1 < n:
             out.append(self._block(n, busy[-1] + 1))  # the first N layers, N covering every busy block
+        t = ctx.config.trainer
+        if t.tensor_parallel > 1:  # ModelParallelConfig's fields (TransformerConfig inherits them)
+            for c in out:
+                c.settings |= {
+                    "tensor_model_parallel_size": t.tensor_parallel,
+                    "sequence_parallel": t.sequence_parallel,
+                }
         return out
 
     @staticmethod

@@ -62,10 +62,17 @@ class Torchtitan(Target):
         full = self._mode("full", Plan.uniform(n, "full"), main)
         chosen = [full, *out] if only == "full" else [*out, full]
         training = training_precision(ctx.precision)
+        parallelism = tensor_parallelism(ctx.config.trainer)
         for c in chosen:
             c.settings["training"] = training
+            if parallelism:
+                c.settings["parallelism"] = parallelism
             if main:  # flags before the subcommand: tyro reads what follows it as the subcommand's own
-                c.settings["args"] = [*[f"--training.{k}={v}" for k, v in training.items()], *c.settings["args"]]
+                c.settings["args"] = [
+                    *[f"--training.{k}={v}" for k, v in training.items()],
+                    *[_flag("parallelism", k, v) for k, v in parallelism.items()],
+                    *c.settings["args"],
+                ]
         return chosen
 
     @staticmethod
@@ -168,10 +175,27 @@ class Torchtitan(Target):
             return "\n".join(lines)
         lines = ["[activation_checkpoint]"] + [f'{k} = "{v}"' for k, v in s.items()]
         lines += ["", "[training]"] + [f'{k} = "{v}"' for k, v in training.items()] + note
+        if parallelism := chosen.settings.get("parallelism"):
+            lines += ["", "[parallelism]"] + [f"{k} = {str(v).lower()}" for k, v in parallelism.items()]
         return "\n".join(lines)
 
 
 NO_FP16 = "torchtitan trains in bf16 or fp32 only: precision=16-mixed has no torchtitan form (fp32 written)"
+
+
+def _flag(section: str, key: str, value: Any) -> str:
+    """One field as torchtitan's command line takes it (tyro): a switch as itself or its no- form."""
+    if isinstance(value, bool):
+        return f"--{section}.{'' if value else 'no-'}{key.replace('_', '-')}"
+    return f"--{section}.{key}={value}"
+
+
+def tensor_parallelism(trainer: Any) -> dict[str, Any]:
+    """trainer.tensor_parallel / sequence_parallel as torchtitan's [parallelism] fields (0.3.0's ParallelismConfig;
+    FSDP's degree is left to its default, -1: the ranks TP does not take, as ours). Empty without TP."""
+    if trainer.tensor_parallel == 1:
+        return {}
+    return {"tensor_parallel_degree": trainer.tensor_parallel, "enable_sequence_parallel": trainer.sequence_parallel}
 
 
 def training_precision(precision: str) -> dict[str, str]:
