@@ -232,6 +232,54 @@ def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
         estimate("trainer.tensor_parallel=2", loss="chunked")
 
 
+def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> None:
+    """One rank of TP 2 + SP sends, per layer, half of each of its 8 sequence all-gathers and reduce-scatters (4 in
+    forward, their duals in backward) of a (B, T, C) activation, the embedding's and the final norm's pairs, half the
+    head's gathered logits and each norm's weight gradient all-reduced; the step-time model puts those bytes on the
+    GPU link, exposed in full. Without TP there are none."""
+    from trainer.estimate import measure, open_session
+    from trainer.measure.gpus import find_gpu
+    from trainer.measure.time.roofline import gpu_speed
+    from trainer.policies import build_policy
+
+    B, S, C, V, L = 2, 32, 64, 256, 2
+
+    def work(tp: int) -> Any:
+        config = compose_config(
+            [
+                "model=llama-tiny",
+                f"model.n_layer={L}",
+                f"model.n_embd={C}",
+                "model.n_head=4",
+                "model.mlp_hidden=128",
+                "trainer=fsdp2",
+                "trainer.devices=2",
+                f"trainer.tensor_parallel={tp}",
+                "precision=32-true",
+                f"seq_len={S}",
+                f"batch_size={B}",
+            ]
+        )
+        session = open_session(config, "cpu")
+        try:
+            return measure(session, build_policy("none")).work
+        finally:
+            session.close()
+
+    split, alone = work(2), work(1)
+    activation = B * S * C * 4  # one (B, T, C) fp32 activation
+    norms = (2 * L + 1) * C * 4  # each SP norm's weight gradient, all-reduced (a sequence shard's sum on each rank)
+    expected = L * 8 * activation // 2 + 4 * activation // 2 + B * S * V * 4 // 2 + norms
+    assert 0 <= split.tensor_parallel_bytes - expected < 64, (split.tensor_parallel_bytes, expected)
+    assert alone.tensor_parallel_bytes == 0
+    speed = gpu_speed(find_gpu("H100-80GB"))
+    t = speed.predict(split)  # FSDP2 over 1 rank (TP takes both devices): TP's collectives alone
+    assert split.collectives.sent_bytes == 0
+    assert (
+        t.exposed_collective_ms == t.collective_ms == pytest.approx(split.tensor_parallel_bytes / speed.gpu_link * 1e3)
+    )
+
+
 def test_sequence_parallel_off_lets_any_sequence_length_through() -> None:
     config = _config("trainer.tensor_parallel=4", "model.n_kv_head=4", "seq_len=30", "trainer.sequence_parallel=false")
     assert build.module(config, vocab_size=256).sequence_parallel is False

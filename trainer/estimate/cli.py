@@ -79,11 +79,17 @@ def render(
             f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.time.roofline:"
         ]
         lines += [f"  assumption: {a}" for a in speed.assumptions]
-        c = est.work.collectives
-        if c.sent_bytes:
+        c, tp = est.work.collectives, est.work.tensor_parallel_bytes
+        if c.sent_bytes or tp:
             t = est.step_time(speed)
+            what = [c.described] if c.sent_bytes else []
+            if tp:
+                what.append(
+                    f"tensor parallel: {tp / 2**30:.2f} GiB sent per step (its all-gathers, reduce-scatters and "
+                    "all-reduces), exposed in full"
+                )
             lines += [
-                f"  collectives: {c.described}; {t.collective_ms:,.1f} ms on the link, "
+                f"  collectives: {'; '.join(what)}; {t.collective_ms:,.1f} ms on the link, "
                 f"{t.exposed_collective_ms:,.1f} ms of it exposed (policy={est.policy})"
             ]
     if losses:

@@ -7,8 +7,9 @@
 Every op torch dispatches is one of these kinds: `matmul` (it has a FLOP formula in torch's registry, the CPU SDPA
 kernels and the fused loss head included: trainer/measure/time/flops.py), `memory`, `math` and `random` (they move
 bytes: the bytes of every tensor they read and write, from the tensors' sizes, so fake tensors serve) and `free`
-(views, allocations and metadata, which move nothing). A replayable op also carries its signature
-(trainer.measure.time.op_replay), so a CPU can time it at its own shapes.
+(views, allocations and metadata, which move nothing), or `collective` (a functional collective, DTensor's: tensor
+parallelism's all-gathers, reduce-scatters and all-reduces, by the bytes one rank sends). A replayable op also
+carries its signature (trainer.measure.time.op_replay), so a CPU can time it at its own shapes.
 
 Near tools: torch's `FlopCounterMode` sums FLOPs per module and has no bytes or per-op record (FlopTally's reasons
 apply too: trainer/measure/time/flops.py); `torch.utils._runtime_estimation` and `torch.distributed._tools.
@@ -108,7 +109,10 @@ _MATH_OPS = frozenset(
 _RANDOM_OPS = frozenset(
     ("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "uniform_", "normal_")
 )
-KINDS = ("matmul", "memory", "math", "random", "free")
+KINDS = ("matmul", "memory", "math", "random", "collective", "free")
+# Collectives that functional (DTensor's, tensor parallelism's) ops run, by the bytes one rank sends in a ring over
+# group_size ranks: an all-gather sends its output's (W−1)/W, a reduce-scatter its input's, an all-reduce twice that.
+_SENT_SHARE = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 2}
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -168,9 +172,25 @@ def moved_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     return sum(reads.values()) + sum(writes.values())
 
 
+def sent_bytes(func: Any, args: Any, out: Any) -> int:
+    """The bytes one rank sends over the link for a functional collective (0 for its wait)."""
+    import torch.distributed as dist
+
+    name = func._overloadpacket.__name__
+    if name not in _SENT_SHARE:
+        return 0
+    group = dist.distributed_c10d._resolve_process_group(args[-1])
+    world = group.size()
+    moved = _nbytes(out) if name == "all_gather_into_tensor" else _nbytes(args[0])
+    return _SENT_SHARE[name] * moved * (world - 1) // world
+
+
 def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
-    """One dispatched op as (kind, dtype, FLOPs, bytes read and written)."""
+    """One dispatched op as (kind, dtype, FLOPs, bytes read and written; a collective's: bytes sent)."""
     packet = func._overloadpacket
+    if getattr(func, "namespace", "") == "_c10d_functional":  # DTensor's collectives: the link, not memory
+        sent = sent_bytes(func, args, out)
+        return OpKey("collective", "", 0, sent) if sent else OpKey("free", "", 0, 0)
     if flops:
         inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
@@ -203,7 +223,13 @@ class Work:
 
     @property
     def bytes_moved(self) -> int:
-        return sum(k.nbytes * n for k, n in self.ops.items())
+        """Bytes the kernels read and write in device memory (collectives' bytes go over the link instead)."""
+        return sum(k.nbytes * n for k, n in self.ops.items() if k.kind != "collective")
+
+    @property
+    def tensor_parallel_bytes(self) -> int:
+        """Bytes one rank sends in the step's functional collectives (tensor parallelism's)."""
+        return sum(k.nbytes * n for k, n in self.ops.items() if k.kind == "collective")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -212,7 +238,7 @@ class Work:
             "bytes": self.bytes_moved,
             "sac_decisions": self.sac_decisions,
             "host_copy_bytes": self.host_copy_bytes,
-            "collective_bytes": self.collectives.sent_bytes,
+            "collective_bytes": self.collectives.sent_bytes + self.tensor_parallel_bytes,
         }
 
 

@@ -11,7 +11,9 @@ host runs ahead of the kernels, so the step takes the longer of the two sums. Of
 on a stream of their own, hidden behind the step's compute up to its length (with prefetch; without it they are
 exposed in full). FSDP2's all-gathers and reduce-scatters go over the GPU link (`Collectives`): the first all-gather
 of forward and backward and the last reduce-scatter exposed, the rest hidden behind compute up to its length, as FSDP2
-prefetches; on a CPU they are not costed.
+prefetches. Tensor parallelism's collectives (the op trace's `collective` ops) go over the same link, exposed in full:
+each sits between a layer's ops, which wait for it (torch's async TP, which overlaps them, is not modelled). On a CPU
+collectives are not costed.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class StepTime:
     copy_ms: float  # offload's copies, in full
     exposed_copy_ms: float
     device: str
-    collective_ms: float = 0.0  # FSDP2's all-gathers and reduce-scatters, in full
+    collective_ms: float = 0.0  # FSDP2's all-gathers and reduce-scatters, and TP's collectives, in full
     exposed_collective_ms: float = 0.0
 
     def tokens_per_s(self, tokens: int) -> float:
@@ -89,7 +91,7 @@ class Speed:
     def predict(self, work: Work) -> StepTime:
         mm = mem = 0.0
         for (kind, dtype, flops, nbytes, signature), n in work.ops.items():
-            if kind == "free":
+            if kind in ("free", "collective"):
                 continue
             curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
             t = nbytes / _rate(curve, nbytes) if nbytes else 0.0
@@ -112,6 +114,9 @@ class Speed:
         comm = c.sent_bytes / self.gpu_link if c.sent_bytes and self.gpu_link else 0.0
         first_last = c.exposed_bytes / self.gpu_link if comm else 0.0
         exposed_comm = first_last + max(0.0, comm - first_last - compute)
+        # Tensor parallelism's collectives sit between a layer's ops, which wait for them: exposed in full
+        tp = work.tensor_parallel_bytes / self.gpu_link if self.gpu_link else 0.0
+        comm, exposed_comm = comm + tp, exposed_comm + tp
         return StepTime(
             (compute + exposed + exposed_comm) * 1e3,
             mm * 1e3,
