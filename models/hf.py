@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import logging
 import sys
 from collections.abc import Iterator
@@ -57,8 +58,13 @@ def _transformers() -> Any:
 
 
 def _eager_function(module: nn.Module | type) -> Any:
-    """The model's own eager attention (each modeling_<model>.py defines `eager_attention_forward`)."""
+    """The model's own eager attention (each modeling_<model>.py defines `eager_attention_forward`). A model FSDP2
+    has sharded is of a generated subclass (FSDP<name>, defined in torch): its own class is the other base."""
+    from torch.distributed.fsdp import FSDPModule
+
     cls = module if isinstance(module, type) else type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next(b for b in cls.__bases__ if b is not FSDPModule)
     return getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
 
 
@@ -317,9 +323,15 @@ class HFAdapter(DecoderAdapter):
         hooks = [self.base.register_forward_hook(keep("base"))]
         if self._owner is not self.base:
             hooks.append(self._owner.register_forward_hook(keep("owner")))
+        head = self.head
+        if self.model.__dict__.get("tensor_parallel_degree", 1) > 1:
+            # Split (trainer/parallel/tensor.py): DTensor's sharding rules divide by zero viewing the head's output of
+            # no positions, so the head's call is an empty one (the module call still runs its hooks)
+            head.forward = lambda h: h.new_zeros(*h.shape[:-1], 0)
         try:
             self.model(input_ids=idx, use_cache=False, logits_to_keep=idx.new_zeros(0))
         finally:
+            head.__dict__.pop("forward", None)
             for hook in hooks:
                 hook.remove()
         return seen["base"] if "base" in seen else seen["owner"]
@@ -374,6 +386,52 @@ class HFAdapter(DecoderAdapter):
             module.__dict__.pop(WRAPPER_ATTR, None)
         else:
             module.__dict__[WRAPPER_ATTR] = wrapper
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any] | None:
+        """transformers' own `base_model_tp_plan` (its "colwise" and "rowwise" entries), under the base model's path;
+        the embedding split by vocabulary (untied), and every other module that holds parameters (the norms, the
+        head) whole on each rank, its weights replicated. transformers' plans carry no sequence parallelism, so it is
+        refused (ValueError) rather than half applied."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from models.tensor_parallel import Replicated
+
+        base_plan = getattr(self.model.config, "base_model_tp_plan", None)
+        if not base_plan:
+            return None
+        if sequence_parallel:
+            raise ValueError(
+                f"{type(self.model).__name__}: transformers' base_model_tp_plan has no sequence parallelism; set "
+                "trainer.sequence_parallel=false"
+            )
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        unknown = sorted({v for v in base_plan.values() if v not in styles})
+        if unknown:
+            raise ValueError(
+                f"{type(self.model).__name__}: its base_model_tp_plan uses {', '.join(unknown)}, which this project "
+                "does not map to a torch style (colwise and rowwise only); use trainer.tensor_parallel=1"
+            )
+        names = {id(m): n for n, m in self.model.named_modules()}
+        prefix = names[id(self.base)]
+        plan: dict[str, Any] = {f"{prefix}.{k}" if prefix else k: styles[v]() for k, v in base_plan.items()}
+        if not self.tied_head:  # (tied: the shared weight stays whole with the head, below)
+            plan[names[id(self.model.get_input_embeddings())]] = RowwiseParallel(input_layouts=Replicate())
+        # The head stays whole on each rank (its logits whole, as a split head would gather them)
+        for name, module in self.model.named_modules():
+            split = any(fnmatch.fnmatchcase(name, pattern) for pattern in plan)
+            if name and not split and any(True for _ in module.parameters(recurse=False)):
+                plan[name] = Replicated()
+        return plan
+
+    def tensor_parallel_divisors(self) -> dict[str, int]:
+        c = self.model.config
+        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None) or 1
+        return {
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or heads,
+            "vocab_size": self.head.weight.shape[0],
+        }
 
     def describe(self) -> dict[str, Any]:
         c = self.model.config

@@ -103,6 +103,20 @@ def test_a_model_built_with_hfs_own_eager_gets_the_seam_and_the_same_logits(hf_m
         assert torch.equal(model(input_ids=idx).logits, before)
 
 
+def test_a_model_sharded_by_fsdp2_keeps_its_attention_seam() -> None:
+    """FSDP2 swaps a sharded model's class for a generated FSDP<name> subclass defined in torch; the seam is looked up
+    on the model's own class, so `selective` is estimated on an FSDP2 rank (a run's prediction) as it runs."""
+    import transformers
+    from torch.distributed.fsdp import FSDPModule
+
+    from models.hf import has_attention_seam
+
+    sharded = type("FSDPLlamaForCausalLM", (FSDPModule, transformers.LlamaForCausalLM), {})
+    assert has_attention_seam(sharded) and has_attention_seam(transformers.LlamaForCausalLM)
+    bloom = type("FSDPBloomForCausalLM", (FSDPModule, transformers.BloomForCausalLM), {})
+    assert not has_attention_seam(bloom)  # inline attention stays seamless, sharded or not
+
+
 def test_eager_attention_runs_the_seam_and_sdpa_does_not(hf_models: dict[str, Path]) -> None:
     from models.hf import WRAPPER_ATTR
 

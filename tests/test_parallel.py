@@ -1,6 +1,6 @@
-"""Tensor parallelism (trainer/parallel/tensor.py): LLaMA split Megatron's way over 2 gloo processes trains as one
-process does, every policy composes with it, a run of FSDP2 × TP trains end to end, and what cannot be split is one
-line before anything runs."""
+"""Tensor parallelism (trainer/parallel/tensor.py): LLaMA (ours, and transformers' with its own plan) split
+Megatron's way over 2 gloo processes trains as one process does, every policy composes with it, a run of FSDP2 × TP
+trains end to end as each rank predicted, and what cannot be split is one line before anything runs."""
 
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ def _model(tie: bool, attention: str, dropout: float = 0.0, n_layer: int = 2) ->
     return Llama(
         LlamaConfig(VOCAB, T, n_layer, dropout=dropout, tie_embeddings=tie, attention=attention, **shape)  # type: ignore[arg-type]
     )
+
+
+def _hf_model(attention: str) -> torch.nn.Module:
+    """A tiny transformers LlamaForCausalLM (its config carries base_model_tp_plan), built here: no hub."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config)
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
@@ -89,6 +107,20 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     "local_heads": m.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
                 }
             )
+        for attention in ("sdpa", "eager"):  # transformers' own plan, no SP (its plans carry none)
+            one_loss, one = _step(_hf_model(attention), x, y)
+            m = _hf_model(attention)
+            tensor.apply(m, mesh, False)
+            split_loss, split = _step(m, x, y)
+            report["layouts"].append(
+                {
+                    "layout": ["hf", False, attention],
+                    "loss": abs(split_loss - one_loss),
+                    "grad": max((split[n] - g).abs().max().item() for n, g in one.items()),
+                    "tied": False,
+                    "local_heads": m.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
+                }
+            )
         ref: dict[str, torch.Tensor] = {}
         for cfg in [{"name": "none"}, *POLICIES]:  # under TP + SP, with dropout: each policy against none's
             m = _model(False, "eager", dropout=0.1, n_layer=4)
@@ -118,7 +150,7 @@ def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tm
     for case in reports[0]["layouts"]:
         assert case["loss"] <= 1e-6 and case["grad"] <= 1e-6, case
         assert case["local_heads"] == 4 // 2 * 8  # q_proj rows: 2 of the 4 heads, head size 8
-        assert case["tied"] == case["layout"][1]  # the shared weight is one DTensor again
+        assert case["tied"] == (case["layout"][1] is True)  # the shared weight is one DTensor again
     assert reports[0]["policies"] == {"none": True, **{p["name"]: True for p in POLICIES}}
 
 
@@ -278,6 +310,30 @@ def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> Non
     assert (
         t.exposed_collective_ms == t.collective_ms == pytest.approx(split.tensor_parallel_bytes / speed.gpu_link * 1e3)
     )
+
+
+def test_a_hugging_face_model_splits_by_its_own_plan_without_sequence_parallelism(hf_models: dict[str, Path]) -> None:
+    """transformers' base_model_tp_plan (Llama's) is the plan: its colwise/rowwise projections split, the norms and
+    head whole; its plans carry no SP, so SP on is one line; a family without a plan (GPT-2) is one line."""
+    llama = ["model=hf", f"model.name_or_path={hf_models['llama']}", "seq_len=32"]
+    with pytest.raises(ConfigError, match="base_model_tp_plan has no sequence parallelism; set trainer.sequence_par"):
+        build.module(
+            _config(*llama, "trainer.tensor_parallel=2"),
+            vocab_size=320,
+            hf_config=build.resolve(_config(*llama), "cpu").hf_config,
+        )
+    config = _config(*llama, "trainer.tensor_parallel=2", "trainer.sequence_parallel=false")
+    module = build.module(config, hf_config=build.resolve(config, "cpu").hf_config)
+    plan = module.adapter.tensor_parallel_plan(False)
+    assert type(plan["model.layers.*.self_attn.q_proj"]).__name__ == "ColwiseParallel"
+    assert type(plan["model.layers.*.mlp.down_proj"]).__name__ == "RowwiseParallel"
+    assert {type(plan[k]).__name__ for k in ("model.norm", "lm_head", "model.layers.0.input_layernorm")} == {
+        "Replicated"
+    }
+    gpt2 = ["model=hf", f"model.name_or_path={hf_models['gpt2']}", "seq_len=32", "trainer.tensor_parallel=2"]
+    config = _config(*gpt2, "trainer.sequence_parallel=false")
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel has no tensor-parallel plan"):
+        build.module(config, hf_config=build.resolve(config, "cpu").hf_config)
 
 
 def test_sequence_parallel_off_lets_any_sequence_length_through() -> None:

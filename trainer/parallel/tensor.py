@@ -10,7 +10,8 @@ attention's output and the MLP's down projection by input row, so each rank hold
 MLP; with sequence parallelism (on by default, as torchtitan and Megatron run it) the norms, the residual stream and
 the dropouts between the blocks hold 1 / t of the sequence, the all-reduce after each block becoming a reduce-scatter
 and the all-gather before the next. The plan itself is the family's (`DecoderAdapter.tensor_parallel_plan`): a
-model's layout is its own data, as transformers' `base_model_tp_plan` is.
+model's layout is its own data; a Hugging Face model's is transformers' own `base_model_tp_plan` (without sequence
+parallelism, which those plans do not carry).
 
 torch's `parallelize_module` does the sharding; ours adds the refusals a user can act on, and re-ties an embedding
 shared with the head (parallelize_module distributes each module's parameter on its own, which would untie them).
@@ -32,10 +33,15 @@ from trainer.errors import ConfigError
 
 def check(adapter: DecoderAdapter, t: int, *, sequence_parallel: bool, seq_len: int) -> None:
     """Refuse, in one line naming the fix, a degree `t` this model cannot be split by."""
-    if adapter.tensor_parallel_plan(sequence_parallel) is None:
+    try:
+        plan = adapter.tensor_parallel_plan(sequence_parallel)
+    except ValueError as e:  # a plan the family has but cannot apply as configured (transformers': no SP)
+        raise ConfigError(f"trainer.tensor_parallel={t}: {e}") from None
+    if plan is None:
         raise ConfigError(
             f"trainer.tensor_parallel={t}: {type(adapter.model).__name__} has no tensor-parallel plan; use "
-            "trainer.tensor_parallel=1 (FSDP2 alone), or model=llama"
+            "trainer.tensor_parallel=1 (FSDP2 alone), or model=llama, or a Hugging Face model whose config has a "
+            "base_model_tp_plan"
         )
     divides = dict(adapter.tensor_parallel_divisors())
     if sequence_parallel:
@@ -61,5 +67,6 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     for path, styles in plan.items():  # a tuple: several styles on one module, their hooks in that order
         for style in styles if isinstance(styles, tuple) else (styles,):
             parallelize_module(model, tp_mesh, {path: style})
-    if tied is not None:  # both styles shard the (V, C) weight by vocabulary row, so one DTensor serves both again
-        head.weight = tied.weight
+    if tied is not None and tied.weight is not head.weight:  # both split the (V, C) weight by vocabulary row, so one
+        head.weight = tied.weight  # DTensor serves both again
+    model.tensor_parallel_degree = tp_mesh.size()  # read by a family that calls the model differently when split
