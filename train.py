@@ -8,6 +8,8 @@ python train.py --cfg job                         # print the composed config
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -40,7 +42,12 @@ def main(cfg: DictConfig) -> float | None:
         build_policy(config.policy)
         from trainer.core.run import train
 
-        summary = train(config, run_dir, keep_refused=hydra_cfg.mode == RunMode.MULTIRUN)
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        with _sweep_gpus(hydra_cfg, config) as gpus:
+            if gpus is not None:  # the local parallel launcher on a multi-GPU machine: this job's own GPUs
+                logging.getLogger("train").info("job %s trains on GPU(s) %s", hydra_cfg.job.num, gpus)
+                config.trainer = dataclasses.replace(config.trainer, devices=gpus)
+            summary = train(config, run_dir, keep_refused=multirun)
     except Exception as e:
         if isinstance(e, RunFailed):  # the run started: summary.json records how it ended
             if hydra_cfg.mode == RunMode.MULTIRUN:  # one bad cell must not stop the sweep
@@ -61,6 +68,22 @@ def main(cfg: DictConfig) -> float | None:
         _exit_if_user_error(e)
         raise
     return summary.get(metrics.FINAL_VAL_LOSS)  # the objective for Hydra sweepers that optimise
+
+
+def _sweep_gpus(hydra_cfg: DictConfig, config: object) -> contextlib.AbstractContextManager[list[int] | None]:
+    """A multirun job under the joblib launcher takes a free slot of the machine's GPUs (trainer/core/placement.py)."""
+    from hydra.types import RunMode
+
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return contextlib.nullcontext(None)
+    import torch
+
+    from trainer.core.placement import job_gpus
+
+    t = config.trainer  # type: ignore[attr-defined]
+    launcher = str(hydra_cfg.launcher.get("_target_", "")) if hydra_cfg.get("launcher") else ""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return job_gpus(launcher, t.accelerator, t.devices, Path(hydra_cfg.sweep.dir), gpus)
 
 
 def _exit_if_user_error(e: Exception) -> None:

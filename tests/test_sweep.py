@@ -9,6 +9,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from callbacks.sweep_progress import SweepProgress, count_basic_sweep, sweep_position
 from callbacks.tb_logger import tb_layout, write_tb_layout
 from tests.conftest import CONF, SMALL, run_cli
+from trainer.errors import ConfigError
 from trainer.report import build_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -346,3 +348,58 @@ def test_a_refused_cell_records_error_and_the_sweep_goes_on(tmp_path: Path) -> N
     refused = json.loads(next(sweep.glob("1_*/summary.json")).read_text())
     assert "policy.k=3 must be between 1 and model.n_layer=2" in refused["error"]
     assert "policy.k=3" in next(sweep.glob("1_*/.hydra/overrides.yaml")).read_text()  # the report names the cell
+
+
+# ---- each job its own GPUs under the local parallel launcher (trainer/core/placement.py) --------------------
+
+
+def _hold(lock_dir: str, gpus: int, per_job: int, ready: Any, release: Any, out: Any) -> None:
+    from trainer.core.placement import claim_gpus
+
+    with claim_gpus(Path(lock_dir), gpus, per_job, timeout_s=30) as ids:
+        out.put(ids)
+        ready.set()
+        release.wait(30)
+
+
+def test_concurrent_jobs_each_take_their_own_gpus_and_a_third_waits(tmp_path: Path) -> None:
+    """Two jobs (processes) on a machine of 4 GPUs, 2 per job, hold [0, 1] and [2, 3]; a third gets nothing while
+    both hold theirs, then the freed slot; a 1-GPU job in the same sweep never lands on a held GPU."""
+    import multiprocessing
+
+    from trainer.core.placement import claim_gpus
+
+    ctx = multiprocessing.get_context("spawn")
+    out, release = ctx.Queue(), ctx.Event()
+    held = []
+    for _ in range(2):
+        ready = ctx.Event()
+        p = ctx.Process(target=_hold, args=(str(tmp_path), 4, 2, ready, release, out))
+        p.start()
+        assert ready.wait(60)
+        held.append(p)
+    assert sorted(out.get(timeout=5) for _ in range(2)) == [[0, 1], [2, 3]]
+    with pytest.raises(TimeoutError), claim_gpus(tmp_path, 4, 2, timeout_s=1):
+        pass
+    with pytest.raises(TimeoutError), claim_gpus(tmp_path, 4, 1, timeout_s=1):
+        pass
+    release.set()
+    for p in held:
+        p.join(30)
+    with claim_gpus(tmp_path, 4, 2, timeout_s=5) as ids:
+        assert ids == [0, 1]
+        with claim_gpus(tmp_path, 4, 1, timeout_s=5) as one:
+            assert one == [2]  # GPU 0 and 1 are held by the 2-GPU job
+
+
+def test_only_the_parallel_launcher_on_several_gpus_places_jobs(tmp_path: Path) -> None:
+    from trainer.core.placement import job_gpus
+
+    joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    with job_gpus(joblib, "auto", 1, tmp_path, gpu_count=4) as ids:
+        assert ids == [0]
+    for launcher, accelerator, gpus in ((joblib, "cpu", 4), (joblib, "auto", 1), ("BasicLauncher", "auto", 4)):
+        with job_gpus(launcher, accelerator, 1, tmp_path, gpu_count=gpus) as ids:
+            assert ids is None
+    with pytest.raises(ConfigError, match="lower trainer.devices"), job_gpus(joblib, "gpu", 8, tmp_path, 4):
+        pass
