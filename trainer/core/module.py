@@ -77,7 +77,7 @@ class DecoderModule(L.LightningModule):
     # are all-gathered and used in their own dtype.
     fsdp_param_dtype: torch.dtype | None = None
     # Megatron's tensor parallelism (trainer/parallel/tensor.py), set by the builder from trainer.tensor_parallel /
-    # trainer.sequence_parallel; applied on the mesh's "tensor_parallel" dimension when it has more than one rank.
+    # trainer.sequence_parallel; applied on the mesh's second (tensor-parallel) dimension when it has more than one.
     sequence_parallel: bool = True
 
     def __init__(
@@ -131,8 +131,8 @@ class DecoderModule(L.LightningModule):
         return adapter_for(self.model)
 
     def configure_model(self) -> None:
-        # Lightning's ModelParallelStrategy hands us a device mesh: tensor parallelism on its "tensor_parallel"
-        # dimension, then FSDP2 on "data_parallel", each decoder layer, then the root (torchtitan's order). The
+        # Lightning's ModelParallelStrategy hands us a device mesh: tensor parallelism on its tensor-parallel
+        # dimension, then FSDP2 on its data-parallel one, each decoder layer, then the root (torchtitan's order). The
         # policy was applied in __init__ as forward overrides, which call the layers' own modules, so TP's hooks and
         # collectives run inside it (and again in its recompute) and recompute happens inside each shard's
         # all-gather/free window.

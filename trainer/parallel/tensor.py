@@ -2,7 +2,7 @@
 it with torch's `parallelize_module`.
 
     check(adapter, t)                          # what t must divide, refused in one line before a step is taken
-    apply(model, tp_mesh, sequence_parallel)   # the family's plan of torch ParallelStyles, on the "tensor_parallel"
+    apply(model, tp_mesh, sequence_parallel)   # the family's plan of torch ParallelStyles, on the tensor-parallel
                                                # dimension of the run's device mesh
 
 Per layer, the attention's query/key/value and the MLP's gate/up projections are split by output column, the
