@@ -37,7 +37,7 @@ from models.adapter import DecoderAdapter, adapter_for
 from trainer import precision as precision_
 from trainer.core.step import optimizer_phase
 from trainer.measure.fake.compiled import GraphOpTrace, GraphTracker, fake_compiled_runtime, run_generated_code
-from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.measure.memory.tracker import LiveTensorTracker, local_tensors
 from trainer.measure.time.calibration import speed_for
 from trainer.measure.time.op_trace import OpTrace, trace
 from trainer.measure.time.roofline import Speed
@@ -54,15 +54,16 @@ def _sync(device: torch.device) -> None:
 
 
 def _storage_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
+    return 0 if t is None else _unique_bytes([t])
 
 
 def _unique_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """The bytes the tensors' storages hold, each storage once: a DTensor's are its local shard's (FSDP2's and tensor
+    parallelism's; its own storage reports the global size)."""
     seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s._cdata] = s.nbytes()
+    for t in local_tensors(tensors):
+        s = t.untyped_storage()
+        seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
 
