@@ -93,31 +93,21 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         torch.manual_seed(1)
         x, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
         report: dict[str, Any] = {"layouts": [], "policies": {}}
-        for sp, tie, attention in LAYOUTS:
-            one_loss, one = _step(_model(tie, attention), x, y)
-            m = _model(tie, attention)
-            tensor.apply(m, mesh, sp)
+        # ours in every layout, and transformers' with its own plan (no SP: its plans carry none)
+        cases = [((sp, tie, attention), lambda t=tie, a=attention: _model(t, a)) for sp, tie, attention in LAYOUTS]
+        cases += [(("hf", False, a), lambda a=a: _hf_model(a)) for a in ("sdpa", "eager")]
+        for layout, build in cases:
+            one_loss, one = _step(build(), x, y)
+            m = build()
+            tensor.apply(m, mesh, layout[0] is True)
             split_loss, split = _step(m, x, y)
+            embedding, head = m.get_input_embeddings() if layout[0] == "hf" else m.model.embed_tokens, m.lm_head
             report["layouts"].append(
                 {
-                    "layout": [sp, tie, attention],
+                    "layout": list(layout),
                     "loss": abs(split_loss - one_loss),
                     "grad": max((split[n] - g).abs().max().item() for n, g in one.items()),
-                    "tied": m.lm_head.weight is m.model.embed_tokens.weight,
-                    "local_heads": m.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
-                }
-            )
-        for attention in ("sdpa", "eager"):  # transformers' own plan, no SP (its plans carry none)
-            one_loss, one = _step(_hf_model(attention), x, y)
-            m = _hf_model(attention)
-            tensor.apply(m, mesh, False)
-            split_loss, split = _step(m, x, y)
-            report["layouts"].append(
-                {
-                    "layout": ["hf", False, attention],
-                    "loss": abs(split_loss - one_loss),
-                    "grad": max((split[n] - g).abs().max().item() for n, g in one.items()),
-                    "tied": False,
+                    "tied": head.weight is embedding.weight,
                     "local_heads": m.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
                 }
             )
