@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.core.corpus import HeldOut, Segment, Source, split
 from trainer.core.data import (
     BYTE_DOC_SEPARATOR,
     EOT,
@@ -20,7 +21,6 @@ from trainer.core.data import (
     DataError,
     TextDataModule,
     TokenBlocks,
-    split_documents,
 )
 
 
@@ -34,9 +34,29 @@ def _hub_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
 
 
+def load(path: Path) -> np.ndarray:
+    """A prepared token file (a flat array of the dtype its meta.json names)."""
+    meta = json.loads((path.parent / "meta.json").read_text())
+    return np.fromfile(path, dtype=meta["dtype"])
+
+
 def as_bytes(path: Path) -> bytes:
     """A cached byte-tokenizer array back as the bytes it encodes (stored as uint16)."""
-    return np.load(path).astype(np.uint8).tobytes()
+    return load(path).astype(np.uint8).tobytes()
+
+
+def joined(segments: list[Segment], sep: str = BYTE_DOC_SEPARATOR) -> str:
+    """Segments as one stream: the separator before each that opens a document, except the first."""
+    return "".join((sep if s.opens and i else "") + s.text for i, s in enumerate(segments))
+
+
+def split_of(dm: TextDataModule) -> tuple[list[Segment], list[Segment]]:
+    """The module's source cut into segments, by split: what the prepared files must hold."""
+    train: list[Segment] = []
+    val: list[Segment] = []
+    for s, held in split(Source(dm.cfg).segments(), dm.cfg.val_fraction, dm.seed):
+        (val if held else train).append(s)
+    return train, val
 
 
 def real_text() -> list[str]:
@@ -80,7 +100,7 @@ def test_embedded_byte_batches(tmp_path: Path) -> None:
             assert torch.equal(x[:, 1:], y[:, :-1])
             assert int(x.max()) < 256
     # y is the next token of the stream, including at the block's end.
-    tokens = np.load(dm.cache_path / "train.npy")
+    tokens = load(dm.cache_path / "train.bin")
     x, y = dm.train_dataloader().dataset[3]
     assert x.tolist() == tokens[3 * 65 : 3 * 65 + 64].tolist()
     assert y.tolist() == tokens[3 * 65 + 1 : 3 * 65 + 65].tolist()
@@ -114,8 +134,8 @@ def first_batches(dm: TextDataModule, n: int = 3) -> list[torch.Tensor]:
 def test_same_seed_same_split_and_order(tmp_path: Path) -> None:
     a = ready(make_dm(tmp_path / "a", seed=7))
     b = ready(make_dm(tmp_path / "b", seed=7))
-    assert np.array_equal(np.load(a.cache_path / "val.npy"), np.load(b.cache_path / "val.npy"))
-    assert np.array_equal(np.load(a.cache_path / "train.npy"), np.load(b.cache_path / "train.npy"))
+    assert np.array_equal(load(a.cache_path / "val.bin"), load(b.cache_path / "val.bin"))
+    assert np.array_equal(load(a.cache_path / "train.bin"), load(b.cache_path / "train.bin"))
     for xa, xb in zip(first_batches(a), first_batches(b), strict=True):
         assert torch.equal(xa, xb)
 
@@ -124,34 +144,62 @@ def test_other_seed_other_split_and_order(tmp_path: Path) -> None:
     a = ready(make_dm(tmp_path, seed=1))
     b = ready(make_dm(tmp_path, seed=2))
     assert a.cache_path != b.cache_path
-    va, vb = np.load(a.cache_path / "val.npy"), np.load(b.cache_path / "val.npy")
+    va, vb = load(a.cache_path / "val.bin"), load(b.cache_path / "val.bin")
     assert va.shape != vb.shape or not np.array_equal(va, vb)
     assert not torch.equal(first_batches(a)[0], first_batches(b)[0])
 
 
-def test_split_documents_fraction_and_determinism() -> None:
-    docs = real_text()
-    train, val = split_documents(docs, 0.1, seed=3)
-    total = sum(map(len, docs))
-    assert sorted(train + val) == sorted(docs)  # whole documents, nothing lost
-    assert 0.1 * total <= sum(map(len, val)) <= 0.5 * total
-    assert split_documents(docs, 0.1, seed=3) == (train, val)
+def test_split_fraction_and_determinism(tmp_path: Path) -> None:
+    dm = make_dm(tmp_path, val_fraction=0.1, seed=3)
+    source = Source(dm.cfg)
+    segments = list(source.segments())
+    # Nothing lost: the segments are the documents, in order, each cut at line ends.
+    assert joined(segments, sep="") == "".join(d for d in real_text() if d.strip())
+    assert all(len(s.text) <= source.segment_chars for s in segments)
+    assert sum(s.opens for s in segments) == sum(1 for d in real_text() if d.strip())
+    flags = [held for _, held in split(segments, 0.1, seed=3)]
+    assert flags == [held for _, held in split(segments, 0.1, seed=3)]
+    # The held-out share of the characters tracks the fraction within one segment at every point of the stream.
+    seen = held = 0
+    for s, h in zip(segments, flags, strict=True):
+        seen += len(s.text)
+        held += len(s.text) * h
+        assert abs(held - 0.1 * seen) <= 1.5 * source.segment_chars
+    assert abs(held - 0.1 * seen) <= 0.01 * seen
 
 
-def test_single_document_split_at_newline() -> None:
+def test_single_document_split_at_newlines(tmp_path: Path) -> None:
     doc = "".join(f"line {i} of the only document\n" for i in range(1000))
-    train, val = split_documents([doc], 0.2, seed=0)
-    assert train[0] + val[0] == doc
-    assert train[0].endswith("\n") and val[0].startswith("line ")
-    assert abs(len(val[0]) - 0.2 * len(doc)) < 40
+    f = tmp_path / "one.txt"
+    f.write_text(doc)
+    source = Source(DataConfig(source="local", path=[str(f)], val_fraction=0.2))
+    pairs = list(split(source.segments(), 0.2, seed=0))
+    assert "".join(s.text for s, _ in pairs) == doc
+    assert all(s.text.endswith("\n") and s.text.startswith("line ") for s, _ in pairs)
+    assert [s.opens for s, _ in pairs] == [True] + [False] * (len(pairs) - 1)
+    val = sum(len(s.text) for s, held in pairs if held)
+    assert abs(val - 0.2 * len(doc)) <= source.segment_chars  # within one segment of the share
+    assert sum(held for _, held in pairs) >= 8  # a small corpus still gets several held-out segments
 
 
 def test_dominant_document_does_not_swallow_val() -> None:
     docs = ["short\n" * 10, "big line\n" * 10_000]
     for seed in range(5):
-        train, val = split_documents(docs, 0.05, seed=seed)
-        share = sum(map(len, val)) / sum(map(len, docs))
-        assert 0.05 <= share < 0.06
+        held = HeldOut(0.05, seed)
+        pieces = [s for d in docs for s in _pieces(d, 2048)]
+        val = sum(len(p) for p in pieces if held(len(p)))
+        assert abs(val - 0.05 * sum(map(len, docs))) <= 2048  # within one segment of the share
+
+
+def test_other_seed_holds_out_other_segments() -> None:
+    lengths = [1000] * 400
+    picks = {seed: [i for i, n in enumerate(lengths) if h(n)] for seed in range(4) for h in [HeldOut(0.05, seed)]}
+    assert all(len(p) == 20 for p in picks.values())
+    assert len({tuple(p) for p in picks.values()}) == 4
+
+
+def _pieces(doc: str, n: int) -> list[str]:
+    return [doc[i : i + n] for i in range(0, len(doc), n)]
 
 
 # ---- cache -----------------------------------------------------------------------------------------
@@ -159,7 +207,7 @@ def test_dominant_document_does_not_swallow_val() -> None:
 
 def test_second_prepare_uses_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     dm = ready(make_dm(tmp_path))
-    npy = dm.cache_path / "train.npy"
+    npy = dm.cache_path / "train.bin"
     mtime = npy.stat().st_mtime_ns
     meta = json.loads((dm.cache_path / "meta.json").read_text())
     assert meta["vocab_size"] == 256 and meta["train_tokens"] == dm.train_tokens
@@ -201,9 +249,10 @@ def test_bpe_trains_and_round_trips(tmp_path: Path) -> None:
     # Documents are separated by the end-of-text token in the stream.
     eot = dm.encode(EOT)
     assert len(eot) == 1
-    train = np.load(dm.cache_path / "train.npy")
-    meta = json.loads((dm.cache_path / "meta.json").read_text())
-    assert int((train == eot[0]).sum()) == meta["n_docs"]["train"] - 1
+    train = load(dm.cache_path / "train.bin")
+    segments, _ = split_of(dm)
+    opened = sum(s.opens for s in segments[1:])  # a separator before each but the first
+    assert int((train == eot[0]).sum()) == opened
     assert train.dtype == np.uint16
 
 
@@ -214,9 +263,10 @@ def test_byte_stream_joins_documents(tmp_path: Path) -> None:
     for i, text in enumerate(texts):
         (d / f"{i:02d}.txt").write_text(text)
     dm = ready(make_dm(tmp_path, source="local", path=[str(d)], val_fraction=0.3, seed=5))
-    train_docs, val_docs = split_documents(texts, 0.3, seed=5)
-    assert as_bytes(dm.cache_path / "train.npy") == BYTE_DOC_SEPARATOR.join(train_docs).encode()
-    assert as_bytes(dm.cache_path / "val.npy") == BYTE_DOC_SEPARATOR.join(val_docs).encode()
+    train, val = split_of(dm)
+    assert as_bytes(dm.cache_path / "train.bin") == joined(train).encode()
+    assert as_bytes(dm.cache_path / "val.bin") == joined(val).encode()
+    assert sum(s.opens for s in train + val) == len(texts)  # each file one document, opened once
 
 
 # ---- local sources ---------------------------------------------------------------------------------
@@ -228,11 +278,15 @@ def test_local_single_file(tmp_path: Path) -> None:
     f.write_text(text)
     dm = ready(make_dm(tmp_path, source="local", path=[str(f)], val_fraction=0.1))
     meta = json.loads((dm.cache_path / "meta.json").read_text())
-    assert meta["n_docs"] == {"train": 1, "val": 1}
-    train = as_bytes(dm.cache_path / "train.npy")
-    val = as_bytes(dm.cache_path / "val.npy")
-    assert train + val == text.encode()  # the one document cut in two, at a newline
-    assert train.endswith(b"\n")
+    assert meta["n_docs"]["train"] + meta["n_docs"]["val"] == 1
+    train_segments, val_segments = split_of(dm)
+    assert len(val_segments) >= 2  # the one document cut at newlines, several pieces held out
+    assert all(s.text.endswith("\n") for s in (train_segments + val_segments) if not text.endswith(s.text))
+    train = as_bytes(dm.cache_path / "train.bin")
+    val = as_bytes(dm.cache_path / "val.bin")
+    assert train == "".join(s.text for s in train_segments).encode()
+    assert val == "".join(s.text for s in val_segments).encode()
+    assert len(train) + len(val) == len(text.encode())
 
 
 def test_local_folder_recursive_skips_hidden(tmp_path: Path) -> None:
@@ -269,7 +323,7 @@ def test_invalid_utf8_decoded_with_warning(tmp_path: Path, caplog: pytest.LogCap
     dm = ready(make_dm(tmp_path, source="local", path=[str(f)], seq_len=32, batch_size=2))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "UTF-8" in r.getMessage()]
     assert len(warnings) == 1 and str(f) in warnings[0].getMessage()
-    stream = as_bytes(dm.cache_path / "train.npy") + as_bytes(dm.cache_path / "val.npy")
+    stream = as_bytes(dm.cache_path / "train.bin") + as_bytes(dm.cache_path / "val.bin")
     assert "caf\ufffd na\ufffdve".encode() in stream
 
 
@@ -418,7 +472,13 @@ def test_hub_unknown_column_lists_columns(tmp_path: Path) -> None:
 
 
 def test_hub_loads_text_field(tmp_path: Path) -> None:
-    dm = ready(make_dm(tmp_path, source="hub", name=str(hub_folder(tmp_path)), text_field="body"))
+    folder = str(hub_folder(tmp_path))
+    dm = ready(make_dm(tmp_path, source="hub", name=folder, text_field="body"))
+    assert dm.streaming and dm.train_tokens is None  # a hub source streams by default
+    assert dm.vocab_size == 256 and dm.val_tokens == 8 * 4 * 65
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 64)
+    dm = ready(make_dm(tmp_path, source="hub", name=folder, text_field="body", streaming=False))
     assert dm.vocab_size == 256 and dm.train_tokens > 10_000
     with pytest.raises(DataError) as exc:
         ready(make_dm(tmp_path / "other", source="hub", name=str(hub_folder(tmp_path / "other")), text_field="n"))

@@ -23,7 +23,7 @@ from trainer.core.schema import Config, model_vocab, vocab_for
 from trainer.loss import LossConfig
 from trainer.policies import Policy
 
-__all__ = ["Resolved", "data_module", "hf_config", "module", "resolve", "train_device", "vocab"]
+__all__ = ["Resolved", "data_module", "data_parallel_ranks", "hf_config", "module", "resolve", "train_device", "vocab"]
 
 
 def data_module(config: Config) -> TextDataModule:
@@ -34,10 +34,18 @@ def data_module(config: Config) -> TextDataModule:
         batch_size=config.batch_size,
         seed=config.seed,
         tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
+        val_blocks=config.trainer.val_batches * config.batch_size * data_parallel_ranks(config),
     )
     data.prepare_data()
     data.setup("fit")
     return data
+
+
+def data_parallel_ranks(config: Config) -> int:
+    """The ranks that read different blocks (a tensor-parallel group reads the same ones)."""
+    t = config.trainer
+    devices = t.devices if isinstance(t.devices, int) and t.devices > 0 else 1
+    return max(1, devices * t.num_nodes // max(1, t.tensor_parallel))
 
 
 def vocab(config: Config, data: TextDataModule | None = None) -> int:

@@ -1,4 +1,7 @@
-"""Text for the decoder: a corpus (trainer/core/corpus.py) split, tokenized once, cached, served as fixed-size blocks.
+"""Text for the decoder, served as fixed-size blocks: prepared once into cached token files, streamed while the run
+trains, or read from a token file the user brings. Memory stays bounded on every path: text is read a segment at a
+time (trainer/core/corpus.py), tokenized in batches and written or packed as it comes (trainer/core/tokens.py,
+trainer/core/stream.py).
 
 Sources
 -------
@@ -8,18 +11,27 @@ Sources
     the Python Software Foundation License (PSF-2.0), which permits redistribution and use; it is
     used here because it is real text that works with no download and no network.
 ``local``
-    Files, folders (walked recursively, hidden entries skipped) and globs named in ``data.path``.
+    Files, folders (walked recursively, hidden entries skipped) and globs named in ``data.path``, in one format:
+    plain text, JSON Lines or Parquet (``data.text_field``), a folder saved by ``save_to_disk``, or token ids
+    (``.npy``, or a flat ``.bin`` of ``data.token_dtype``) read as they are.
 ``hub``
-    ``datasets.load_dataset(name, config_name, split=split)[text_field]``, failing fast when offline.
+    ``datasets.load_dataset(name, config_name, split=split, streaming=...)[text_field]``, failing fast when offline.
 
-Every prepared corpus is cached under ``<cache_dir>/<key>/`` (train.npy, val.npy, meta.json and, for
-BPE, tokenizer.json), so the second ``prepare_data()`` with the same inputs does no tokenization.
+Paths
+-----
+prepared (``data.streaming=false``, the default for embedded and local text)
+    tokenized once into ``<cache_dir>/<key>/`` (train.bin, val.bin, meta.json and, for BPE, tokenizer.json), so
+    the second run with the same inputs does no tokenization; blocks are shuffled per epoch.
+streamed (``data.streaming=true``, the default for hub sources)
+    tokenized and packed on the fly, split across data-parallel ranks, its position checkpointed; validation is the
+    first held-out blocks, read once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -31,34 +43,39 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.core.corpus import (
-    embedded_docs,
-    hub_docs,
-    local_docs,
-    resolve_local_files,
-    split_documents,
-)
+from trainer.core.corpus import FORMATS, Source, embedded_docs, split
 from trainer.core.schema import DataConfig  # the `data` node of the config schema
+from trainer.core.stream import HeldOutBlocks, TokenStream
+from trainer.core.tokens import (
+    BYTE_DOC_SEPARATOR,
+    BYTE_VOCAB,
+    EOT,
+    Encoder,
+    TokenBlocks,
+    TokenWriter,
+    check_token_file,
+    load_bpe,
+    open_tokens,
+    train_bpe,
+)
 from trainer.errors import DataError
+
+__all__ = ["BYTE_DOC_SEPARATOR", "EOT", "DataConfig", "DataError", "TextDataModule", "TokenBlocks"]
 
 log = logging.getLogger(__name__)
 
 # Bump whenever the on-disk layout or the tokenization of an unchanged corpus changes, so stale
 # cache entries are never reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 SOURCES = ("embedded", "local", "hub")
 TOKENIZERS = ("byte", "bpe", "model")  # model: the Hugging Face model's own (model=hf)
-EOT = "<|endoftext|>"
-BYTE_VOCAB = 256
-BYTE_DOC_SEPARATOR = "\n\n"
-# Documents are cut into pieces of at most this many characters before tokenization, so one huge
-# local file still gets a moving progress bar and bounded per-batch memory.
-PIECE_CHARS = 1 << 18
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
+# Segments tokenized per tokenizer call on the prepared path.
+WRITE_BATCH = 256
 
 
 def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
@@ -66,6 +83,10 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
         raise DataError(f"data.source={cfg.source!r} is unknown; use one of {', '.join(SOURCES)}")
     if cfg.tokenizer not in TOKENIZERS:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r} is unknown; use one of {', '.join(TOKENIZERS)}")
+    if cfg.format not in FORMATS:
+        raise DataError(f"data.format={cfg.format!r} is unknown; use one of {', '.join(FORMATS)}")
+    if cfg.token_dtype is not None and cfg.token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"data.token_dtype={cfg.token_dtype!r} is unknown; use one of {', '.join(TOKEN_DTYPES)}")
     if not 0.0 < cfg.val_fraction <= 0.5:
         raise DataError(f"data.val_fraction={cfg.val_fraction} is out of range; use a value in (0, 0.5]")
     if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size < BYTE_VOCAB + 1:
@@ -74,6 +95,8 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
             f"data.bpe_vocab_size={cfg.bpe_vocab_size} is too small; use at least {BYTE_VOCAB + 1} "
             "(256 byte symbols + <|endoftext|>)"
         )
+    if cfg.bpe_sample_chars < 1:
+        raise DataError(f"data.bpe_sample_chars={cfg.bpe_sample_chars} must be at least 1 (characters of text)")
     if cfg.source == "local" and not cfg.path:
         raise DataError("data.source=local needs files: set data.path=[file, folder or glob, ...]")
     if cfg.source == "hub" and not cfg.name:
@@ -82,6 +105,21 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int) -> None:
         raise DataError(f"data.num_workers={cfg.num_workers} is negative; use 0 or more")
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len={seq_len} and batch_size={batch_size} must both be at least 1")
+    if cfg.max_tokens is not None and cfg.max_tokens < batch_size * (seq_len + 1):
+        raise DataError(
+            f"data.max_tokens={cfg.max_tokens} is less than one batch ({batch_size} x (seq_len {seq_len} + 1) = "
+            f"{batch_size * (seq_len + 1)} tokens); raise it or unset it"
+        )
+    if streams(cfg) and cfg.num_workers:
+        raise DataError(
+            f"data.streaming=true reads in the training process, which checkpoints its position; "
+            f"set data.num_workers=0 (got {cfg.num_workers})"
+        )
+
+
+def streams(cfg: DataConfig) -> bool:
+    """Whether the corpus is streamed: data.streaming, or by default for a hub dataset."""
+    return bool(cfg.streaming) if cfg.streaming is not None else cfg.source == "hub"
 
 
 def check_config(cfg: DataConfig, seq_len: int, batch_size: int, tokenizer_from: str | None) -> None:
@@ -99,82 +137,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("CKPTLAB_CACHE") or Path.home() / ".cache" / "ckptlab" / "data")
 
 
-# --------------------------------------------------------------------------------------------------
-# Tokenization
-# --------------------------------------------------------------------------------------------------
-
-
-def _pieces(docs: Sequence[str]) -> tuple[list[str], list[bool]]:
-    """Cut documents into <= PIECE_CHARS pieces at line ends; `starts` marks a piece that opens a
-    document after the first, i.e. where the document separator goes."""
-    texts: list[str] = []
-    starts: list[bool] = []
-    for d, doc in enumerate(docs):
-        pos = 0
-        while pos < len(doc):
-            end = min(pos + PIECE_CHARS, len(doc))
-            if end < len(doc):
-                nl = doc.rfind("\n", pos, end)
-                if nl > pos:
-                    end = nl + 1
-            texts.append(doc[pos:end])
-            starts.append(d > 0 and pos == 0)
-            pos = end
-    return texts, starts
-
-
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-
-
-def _tokenize_to_npy(docs: Sequence[str], encode: Any, sep: list[int], dtype: np.dtype, out: Path, desc: str) -> int:
-    """Tokenize through a `datasets` map (batched, with a progress bar) and stream the ids into a
-    .npy file without ever holding a Python list of the whole corpus."""
-    import datasets
-    import pyarrow.compute as pc
-
-    texts, starts = _pieces(docs)
-    sep_arr = np.asarray(sep, dtype=dtype)
-
-    def batch_fn(batch: dict[str, list[Any]]) -> dict[str, list[np.ndarray]]:
-        ids = encode(batch["text"])
-        return {
-            "ids": [
-                np.concatenate([sep_arr, np.asarray(x, dtype=dtype)]) if s else np.asarray(x, dtype=dtype)
-                for x, s in zip(ids, batch["start"], strict=True)
-            ]
-        }
-
-    ds = datasets.Dataset.from_dict({"text": texts, "start": starts})
-    ds = ds.map(batch_fn, batched=True, batch_size=64, remove_columns=["text", "start"], desc=desc)
-    chunks = ds.data.column("ids").chunks
-    total = int(sum(pc.sum(pc.list_value_length(c)).as_py() or 0 for c in chunks))
-    arr = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
-    pos = 0
-    for c in chunks:
-        flat = pc.list_flatten(c).to_numpy(zero_copy_only=False)
-        arr[pos : pos + len(flat)] = flat
-        pos += len(flat)
-    arr.flush()
-    del arr
-    return total
-
-
-def _byte_encode(texts: list[str]) -> list[np.ndarray]:
-    return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-
-
-def _train_bpe(train_docs: Sequence[str], vocab_size: int) -> Any:
-    from tokenizers import ByteLevelBPETokenizer
-
-    tok = ByteLevelBPETokenizer()
-    texts, _ = _pieces(train_docs)
-    tok.train_from_iterator(
-        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT], show_progress=True, length=len(texts)
-    )
-    return tok
-
-
 def _remove_stale_tmp_dirs(cache_dir: Path, max_age_s: float = 24 * 3600) -> None:
     """Drop temp dirs left by killed runs; young ones may belong to a run still writing."""
     now = time.time()
@@ -184,40 +146,16 @@ def _remove_stale_tmp_dirs(cache_dir: Path, max_age_s: float = 24 * 3600) -> Non
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def _progress(total: int | None, desc: str) -> Any:
+    """A progress bar over the source's bytes (an ETA where the size is known), tokens/s beside it."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, mininterval=1.0)
+
+
 # --------------------------------------------------------------------------------------------------
-# Dataset
+# Loaders that resume
 # --------------------------------------------------------------------------------------------------
-
-
-class TokenBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Non-overlapping blocks of seq_len + 1 tokens from a cached token array, as (x, y = x shifted)."""
-
-    def __init__(self, path: Path, seq_len: int) -> None:
-        self.path = path
-        self.block = seq_len + 1
-        self._tokens: np.ndarray | None = None
-        self.n_tokens = len(self.tokens)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        # Opened lazily so worker processes map the file themselves instead of receiving a pickled copy.
-        if self._tokens is None:
-            self._tokens = np.load(self.path, mmap_mode="r")
-        return self._tokens
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_tokens"] = None
-        return state
-
-    def __len__(self) -> int:
-        return self.n_tokens // self.block
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        chunk = torch.from_numpy(self.tokens[i * self.block : (i + 1) * self.block].astype(np.int64))
-        return chunk[:-1], chunk[1:]
 
 
 class ResumableRandomSampler(Sampler[int]):
@@ -251,6 +189,14 @@ class ResumableRandomSampler(Sampler[int]):
         yield from order[skip:]
 
 
+def _same_batch_size(state: dict[str, int], batch_size: int | None) -> None:
+    if state.get("batch_size") != batch_size:
+        raise DataError(
+            f"the checkpoint was trained with batch_size={state.get('batch_size')}, this run has "
+            f"batch_size={batch_size}; resume with the same batch_size"
+        )
+
+
 class ResumableDataLoader(DataLoader):
     """A train loader whose position Lightning saves in checkpoints and restores on resume.
 
@@ -269,14 +215,32 @@ class ResumableDataLoader(DataLoader):
         return {"epoch": epoch, "batches": batches, "batch_size": int(self.batch_size or 1)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("batch_size") != self.batch_size:
-            raise DataError(
-                f"the checkpoint was trained with batch_size={state.get('batch_size')}, this run has "
-                f"batch_size={self.batch_size}; resume with the same batch_size"
-            )
+        _same_batch_size(state, self.batch_size)
         sampler = self.sampler
         if isinstance(sampler, ResumableRandomSampler):
             sampler.resume_at(state["epoch"], state["batches"] * state["batch_size"])
+
+
+class StreamLoader(DataLoader):
+    """The streamed train loader: its checkpointed state is where the next block to train on starts (from the
+    trainer's batch counter, as ResumableDataLoader's), so a resume continues at that exact token."""
+
+    dataset: TokenStream
+
+    def __init__(self, *args: Any, position: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        _, batches = self._position()
+        size = int(self.batch_size or 1)
+        return {**self.dataset.position(batches * size), "batch_size": size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        _same_batch_size(state, self.batch_size)
+        if "segment" not in state:
+            raise DataError("the checkpoint was trained on a prepared corpus; resume it with data.streaming=false")
+        self.dataset.resume(state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,12 +249,19 @@ class ResumableDataLoader(DataLoader):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Prepares (once, cached) and serves a tokenized text corpus as [batch_size, seq_len] blocks."""
+    """Serves a text corpus (prepared and cached, streamed, or a token file) as [batch_size, seq_len] blocks."""
 
     def __init__(
-        self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int, tokenizer_from: str | None = None
+        self,
+        cfg: DataConfig,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        tokenizer_from: str | None = None,
+        val_blocks: int | None = None,
     ) -> None:
-        """`tokenizer_from`: the hub id or folder of the model whose tokenizer `data.tokenizer=model` uses."""
+        """`tokenizer_from`: the hub id or folder of the model whose tokenizer `data.tokenizer=model` uses.
+        `val_blocks`: the held-out blocks a streamed corpus keeps for validation (default 8 batches)."""
         super().__init__()
         if isinstance(cfg.path, str):  # a single path given programmatically
             cfg.path = [cfg.path]
@@ -301,14 +272,20 @@ class TextDataModule(L.LightningDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
+        self.val_blocks = val_blocks or 8 * batch_size
         self.cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+        self.streaming = streams(cfg)
+        self.source = Source(cfg, streaming=self.streaming)
+        self.tokens = self.source.format == "tokens"
+        if self.tokens and self.streaming:
+            raise DataError("data.path holds token ids, which are read as they are; set data.streaming=false")
         self._key: str | None = None
         self._description: dict[str, Any] | None = None
         self._prepared = False
-        self._train: TokenBlocks | None = None
-        self._val: TokenBlocks | None = None
+        self._train: Dataset[Any] | None = None
+        self._val: Dataset[Any] | None = None
         self._meta: dict[str, Any] | None = None
-        self._tokenizer: Any = None
+        self._encoder: Encoder | None = None
 
     # ---- cache key ------------------------------------------------------------------------------
 
@@ -317,7 +294,7 @@ class TextDataModule(L.LightningDataModule):
         if self._description is not None:
             return self._description
         cfg = self.cfg
-        desc: dict[str, Any] = {"source": cfg.source}
+        desc: dict[str, Any] = {"source": cfg.source, "streaming": self.streaming}
         if cfg.source == "embedded":
             # Topics change between Python releases; hashing the content catches that exactly.
             h = hashlib.sha256()
@@ -325,11 +302,9 @@ class TextDataModule(L.LightningDataModule):
                 h.update(doc.encode("utf-8", errors="surrogatepass") + b"\0")
             desc["content_sha256"] = h.hexdigest()
         elif cfg.source == "local":
-            files = resolve_local_files(list(cfg.path))
-            stats = [(str(f), f.stat()) for f in files]
-            if all(s.st_size == 0 for _, s in stats):
-                raise DataError(f"data.path: {list(cfg.path)} holds only empty files; point it at text")
-            desc["files"] = [[name, s.st_size, s.st_mtime_ns] for name, s in stats]
+            desc["format"] = self.source.format
+            desc["text_field"] = cfg.text_field if self.source.format in ("json", "parquet", "arrow") else None
+            desc["files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.source.files]
         else:
             desc.update(name=cfg.name, config_name=cfg.config_name, split=cfg.split, text_field=cfg.text_field)
         if cfg.tokenizer == "model":
@@ -339,6 +314,8 @@ class TextDataModule(L.LightningDataModule):
         desc.update(
             tokenizer=cfg.tokenizer,
             bpe_vocab_size=cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
+            bpe_sample_chars=cfg.bpe_sample_chars if cfg.tokenizer == "bpe" else None,
+            max_tokens=None if self.streaming else cfg.max_tokens,
             val_fraction=cfg.val_fraction,
             seed=self.seed,
             format_version=FORMAT_VERSION,
@@ -365,99 +342,69 @@ class TextDataModule(L.LightningDataModule):
         return self.cache_dir / self.cache_key
 
     def _source_label(self) -> str:
-        cfg = self.cfg
-        if cfg.source == "embedded":
-            return "embedded:pydoc_data.topics"
-        if cfg.source == "local":
-            return f"local:{','.join(map(str, cfg.path))}"
-        return f"hub:{cfg.name}" + (f"/{cfg.config_name}" if cfg.config_name else "") + f":{cfg.split}"
+        return self.source.label
 
     # ---- Lightning hooks ------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
+        if self.tokens:
+            self._prepared = True
+            return
         entry = self.cache_path
         if (entry / "meta.json").is_file():
             # train.py and Lightning both call this; report the hit once per module.
             (log.debug if self._prepared else log.info)("using cached corpus %s", entry)
             self._prepared = True
             return
+        self.source.check()
         t0 = time.perf_counter()
         self._build(entry)
         self._prepared = True
-        log.info("prepared corpus %s in %.1fs", entry, time.perf_counter() - t0)
+        log.info("prepared %s in %.1fs", entry, time.perf_counter() - t0)
 
-    def _load_docs(self) -> list[str]:
+    def _train_texts(self) -> Iterator[str]:
+        return (s.text for s, held in split(self.source.segments(), self.cfg.val_fraction, self.seed) if not held)
+
+    def _new_encoder(self, tmp: Path) -> Encoder:
         cfg = self.cfg
-        if cfg.source == "embedded":
-            docs = embedded_docs()
-        elif cfg.source == "local":
-            docs = local_docs(resolve_local_files(list(cfg.path)))
-        else:
-            docs = hub_docs(cfg)
-        docs = [d for d in docs if d.strip()]
-        if not docs:
-            raise DataError(f"corpus {self._source_label()!r} has no text (only empty documents); give it text")
-        return docs
+        if cfg.tokenizer == "byte":
+            return Encoder("byte")
+        if cfg.tokenizer == "model":
+            return Encoder("model", self._model_tokenizer())
+        sample: list[str] = []
+        chars = 0
+        for text in self._train_texts():
+            sample.append(text[: cfg.bpe_sample_chars - chars])
+            chars += len(sample[-1])
+            if chars >= cfg.bpe_sample_chars:
+                break
+        log.info(
+            "training BPE (vocab %d) on a sample of %s characters of the train split (data.bpe_sample_chars=%d)",
+            cfg.bpe_vocab_size,
+            f"{chars:,}",
+            cfg.bpe_sample_chars,
+        )
+        tok = train_bpe(sample, cfg.bpe_vocab_size)
+        tok.save(str(tmp / "tokenizer.json"))
+        return Encoder("bpe", load_bpe(tmp / "tokenizer.json"))
 
     def _build(self, entry: Path) -> None:
         cfg = self.cfg
-        docs = self._load_docs()
-        train_docs, val_docs = split_documents(docs, cfg.val_fraction, self.seed)
-        if not train_docs or not val_docs:
-            raise DataError(
-                f"corpus {self._source_label()!r} is too small to split ({sum(map(len, docs))} chars); "
-                "add text or raise data.val_fraction"
-            )
-        log.info(
-            "tokenizing %s: %d train / %d val documents, %d chars, tokenizer=%s",
-            self._source_label(),
-            len(train_docs),
-            len(val_docs),
-            sum(map(len, docs)),
-            cfg.tokenizer,
-        )
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp_dirs(self.cache_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=self.cache_dir))
         try:
-            if cfg.tokenizer == "byte":
-                vocab_size = BYTE_VOCAB
-                encode: Any = _byte_encode
-                sep = list(BYTE_DOC_SEPARATOR.encode())
-            elif cfg.tokenizer == "model":
-                hf_tok = self._model_tokenizer()
-                vocab_size = len(hf_tok)
-                boundary = hf_tok.eos_token_id if hf_tok.eos_token_id is not None else hf_tok.bos_token_id
-
-                def encode(texts: list[str]) -> list[list[int]]:
-                    return hf_tok(texts, add_special_tokens=False)["input_ids"]
-
-                sep = [] if boundary is None else [int(boundary)]
-            else:
-                tok = _train_bpe(train_docs, cfg.bpe_vocab_size)
-                tok.save(str(tmp / "tokenizer.json"))
-                vocab_size = tok.get_vocab_size()
-                eot = tok.token_to_id(EOT)
-
-                def encode(texts: list[str]) -> list[list[int]]:
-                    return [e.ids for e in tok.encode_batch(texts)]
-
-                sep = [eot]
-            dtype = _token_dtype(vocab_size)
-            n_train = _tokenize_to_npy(train_docs, encode, sep, dtype, tmp / "train.npy", "tokenizing train")
-            n_val = _tokenize_to_npy(val_docs, encode, sep, dtype, tmp / "val.npy", "tokenizing val")
-            meta = {
+            enc = self._new_encoder(tmp)
+            meta: dict[str, Any] = {
                 "format_version": FORMAT_VERSION,
                 "source": self._source_label(),
                 "description": self._source_description(),
                 "tokenizer": cfg.tokenizer,
-                "vocab_size": vocab_size,
-                "dtype": dtype.name,
-                "train_tokens": n_train,
-                "val_tokens": n_val,
-                "n_docs": {"train": len(train_docs), "val": len(val_docs)},
-                "chars": {"train": sum(map(len, train_docs)), "val": sum(map(len, val_docs))},
+                "vocab_size": enc.vocab_size,
+                "dtype": enc.dtype.name,
             }
+            if not self.streaming:
+                meta.update(self._write_tokens(enc, tmp))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             try:
                 os.replace(tmp, entry)
@@ -470,8 +417,53 @@ class TextDataModule(L.LightningDataModule):
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
+    def _write_tokens(self, enc: Encoder, tmp: Path) -> dict[str, Any]:
+        """Tokenize the source in batches of segments into train.bin and val.bin, never holding the corpus."""
+        cfg = self.cfg
+        log.info("tokenizing %s (tokenizer=%s) into %s", self._source_label(), cfg.tokenizer, tmp.parent)
+        writers = {
+            False: TokenWriter(tmp / "train.bin", enc.dtype, cfg.max_tokens),
+            True: TokenWriter(tmp / "val.bin", enc.dtype),
+        }
+        docs = {False: 0, True: 0}
+        chars = {False: 0, True: 0}
+        t0 = time.perf_counter()
+        bar = _progress(self.source.size, f"tokenizing {self._source_label()}")
+        segments = split(self.source.segments(), cfg.val_fraction, self.seed)
+        try:
+            for batch in iter(lambda: list(itertools.islice(segments, WRITE_BATCH)), []):
+                ids = enc.encode([s.text for s, _ in batch])
+                for (s, held), x in zip(batch, ids, strict=True):
+                    w = writers[held]
+                    if s.opens:
+                        docs[held] += 1
+                        if w.n and len(enc.sep_ids):
+                            w.write(enc.sep_ids)
+                    w.write(x)
+                    chars[held] += len(s.text)
+                bar.update(sum(len(s.text.encode("utf-8", errors="surrogatepass")) for s, _ in batch))
+                bar.set_postfix_str(f"{(writers[False].n + writers[True].n) / (time.perf_counter() - t0):,.0f} tok/s")
+                if writers[False].full:
+                    log.info("stopped at data.max_tokens=%d train tokens", cfg.max_tokens)
+                    break
+        finally:
+            bar.close()
+            for w in writers.values():
+                w.close()
+        if not chars[False] and not chars[True]:
+            raise DataError(f"corpus {self._source_label()!r} has no text (only empty documents); give it text")
+        return {
+            "train_tokens": writers[False].n,
+            "val_tokens": writers[True].n,
+            "n_docs": {"train": docs[False], "val": docs[True]},
+            "chars": {"train": chars[False], "val": chars[True]},
+        }
+
     def setup(self, stage: str | None = None) -> None:
         if self._train is not None:
+            return
+        if self.tokens:
+            self._setup_token_files()
             return
         entry = self.cache_path
         if not (entry / "meta.json").is_file():
@@ -480,21 +472,30 @@ class TextDataModule(L.LightningDataModule):
         meta = json.loads((entry / "meta.json").read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             raise DataError(f"cache entry {entry} has another format; delete it and rerun")
-        train = TokenBlocks(entry / "train.npy", self.seq_len)
-        val = TokenBlocks(entry / "val.npy", self.seq_len)
-        need = self.batch_size * (self.seq_len + 1)
-        if len(train) < self.batch_size or len(val) < self.batch_size:
-            raise DataError(
-                f"corpus {meta['source']!r} has {train.n_tokens} train / {val.n_tokens} val tokens but one "
-                f"batch needs {need} (batch_size {self.batch_size} x (seq_len {self.seq_len} + 1)) in each; "
-                "use a smaller seq_len or batch_size, a larger data.val_fraction, or more text"
-            )
         if meta["tokenizer"] == "bpe":
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
+            self._encoder = Encoder("bpe", load_bpe(entry / "tokenizer.json"))
         elif meta["tokenizer"] == "model":
-            self._tokenizer = self._model_tokenizer()
+            self._encoder = Encoder("model", self._model_tokenizer())
+        else:
+            self._encoder = Encoder("byte")
+        if self.streaming:
+            val: Any = HeldOutBlocks(
+                self.source, self._encoder, self.seq_len, self.cfg.val_fraction, self.seed, self.val_blocks
+            )
+            self._check_size(len(val) * (self.seq_len + 1), None, meta["source"], len(val), len(val))
+            meta |= {"train_tokens": None, "val_tokens": val.n_tokens}
+            self._meta, self._val = meta, val
+            self._train = val  # placeholder until train_dataloader knows the rank: marks setup as done
+            log.info(
+                "corpus %s streams: vocab %d, %d held-out validation blocks",
+                meta["source"],
+                meta["vocab_size"],
+                len(val),
+            )
+            return
+        train = TokenBlocks(entry / "train.bin", self.seq_len, meta["dtype"])
+        val = TokenBlocks(entry / "val.bin", self.seq_len, meta["dtype"])
+        self._check_size(train.n_tokens, val.n_tokens, meta["source"], len(train), len(val))
         self._meta, self._train, self._val = meta, train, val
         log.info(
             "corpus %s: vocab %d, %d train tokens (%d blocks), %d val tokens (%d blocks)",
@@ -505,6 +506,62 @@ class TextDataModule(L.LightningDataModule):
             val.n_tokens,
             len(val),
         )
+
+    def _check_size(self, train_tokens: int | None, val_tokens: int | None, source: str, nt: int, nv: int) -> None:
+        need = self.batch_size * (self.seq_len + 1)
+        if nt < self.batch_size or nv < self.batch_size:
+            have = f"{train_tokens} train / {val_tokens} val" if train_tokens is not None else f"{val_tokens} val"
+            raise DataError(
+                f"corpus {source!r} has {have} tokens but one batch needs {need} (batch_size {self.batch_size} x "
+                f"(seq_len {self.seq_len} + 1)) in each; use a smaller seq_len or batch_size, a larger "
+                "data.val_fraction, or more text"
+            )
+
+    def _setup_token_files(self) -> None:
+        """Token ids the user brings: one file (its last val_fraction held out) or a train and a `val*` file."""
+        cfg = self.cfg
+        files = self.source.files
+        val_files = [f for f in files if f.name.lower().startswith(("val", "validation"))]
+        train_files = [f for f in files if f not in val_files]
+        if len(train_files) != 1 or len(val_files) > 1:
+            raise DataError(
+                f"data.path: token ids are read from one file (its last data.val_fraction held out) or a train "
+                f"file and a val* file; got {[f.name for f in files]}"
+            )
+        train_path = train_files[0]
+        if cfg.tokenizer == "model":
+            self._encoder = Encoder("model", self._model_tokenizer())
+        ids = open_tokens(train_path, cfg.token_dtype)
+        vocab = cfg.vocab_size or (self._encoder.vocab_size if self._encoder else None)
+        if vocab is None:
+            raise DataError(
+                "data.path holds token ids: say their vocabulary with data.vocab_size=N (or data.tokenizer=model "
+                "model=hf model.name_or_path=... for that model's tokenizer)"
+            )
+        check_token_file(train_path, ids, vocab)
+        if val_files:
+            val_ids = open_tokens(val_files[0], cfg.token_dtype)
+            check_token_file(val_files[0], val_ids, vocab)
+            train = TokenBlocks(train_path, self.seq_len, cfg.token_dtype)
+            val = TokenBlocks(val_files[0], self.seq_len, cfg.token_dtype)
+        else:
+            cut = len(ids) - int(len(ids) * cfg.val_fraction)
+            train = TokenBlocks(train_path, self.seq_len, cfg.token_dtype, 0, cut)
+            val = TokenBlocks(train_path, self.seq_len, cfg.token_dtype, cut, len(ids))
+        if cfg.max_tokens is not None and train.n_tokens > cfg.max_tokens:
+            train = TokenBlocks(train_path, self.seq_len, cfg.token_dtype, train.start, train.start + cfg.max_tokens)
+        label = f"tokens:{','.join(str(f) for f in files)}"
+        self._check_size(train.n_tokens, val.n_tokens, label, len(train), len(val))
+        self._meta = {
+            "source": label,
+            "tokenizer": cfg.tokenizer if cfg.tokenizer == "model" else None,
+            "vocab_size": int(vocab),
+            "dtype": ids.dtype.name,
+            "train_tokens": train.n_tokens,
+            "val_tokens": val.n_tokens,
+        }
+        self._train, self._val = train, val
+        log.info("token file %s: vocab %d, %d train / %d val tokens", label, vocab, train.n_tokens, val.n_tokens)
 
     # ---- accessors ------------------------------------------------------------------------------
 
@@ -518,28 +575,38 @@ class TextDataModule(L.LightningDataModule):
         return int(self._require_setup()["vocab_size"])
 
     @property
-    def train_tokens(self) -> int:
-        return int(self._require_setup()["train_tokens"])
+    def train_tokens(self) -> int | None:
+        """Tokens of the prepared train split; None when streamed (the stream has no end)."""
+        n = self._require_setup()["train_tokens"]
+        return None if n is None else int(n)
 
     @property
     def val_tokens(self) -> int:
         return int(self._require_setup()["val_tokens"])
 
+    def describe(self, tokens_per_step: int, max_steps: int) -> str:
+        """The run's first line about its data: where it comes from, whether it streams, what it will use."""
+        meta = self._require_setup()
+        used = tokens_per_step * max_steps
+        how = (
+            "streamed"
+            if self.streaming
+            else ("token file" if self.tokens else f"prepared, {meta['train_tokens']:,} train tokens")
+        )
+        epochs = "" if self.streaming or not meta["train_tokens"] else f", {used / meta['train_tokens']:.2f} epochs"
+        return (
+            f"data: {meta['source']} ({how}; tokenizer {self.cfg.tokenizer}, vocab {meta['vocab_size']}); "
+            f"the run trains on {used:,} tokens ({max_steps} steps x {tokens_per_step:,}){epochs}"
+        )
+
     def decode(self, ids: Sequence[int]) -> str:
         self._require_setup()
-        ids = [int(i) for i in ids]
-        if self._tokenizer is None:
-            return bytes(ids).decode("utf-8", errors="replace")
-        return self._tokenizer.decode(ids, skip_special_tokens=False)  # tokenizers' and transformers' alike
+        return (self._encoder or Encoder("byte")).decode(ids)
 
     def encode(self, text: str) -> list[int]:
         """Inverse of decode (e.g. for sampling prompts)."""
         self._require_setup()
-        if self._tokenizer is None:
-            return list(text.encode("utf-8"))
-        if self._hf_tokenizer is not None:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(self._tokenizer.encode(text).ids)
+        return (self._encoder or Encoder("byte")).encode_text(text)
 
     def _loader_kwargs(self) -> dict[str, Any]:
         workers = self.cfg.num_workers
@@ -562,11 +629,34 @@ class TextDataModule(L.LightningDataModule):
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         return trainer.current_epoch, progress.processed
 
+    def _rank(self) -> tuple[int, int]:
+        """(data-parallel rank, ranks): a tensor-parallel group's ranks read the same blocks."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        kw = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}  # single-device: none
+        return int(kw.get("rank", 0)), int(kw.get("num_replicas", 1))
+
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._train is not None
+        if self.streaming:
+            assert self._encoder is not None
+            rank, world = self._rank()
+            stream = TokenStream(
+                self.source,
+                self._encoder,
+                self.seq_len,
+                self.cfg.val_fraction,
+                self.seed,
+                rank=rank,
+                world=world,
+                max_tokens=self.cfg.max_tokens,
+            )
+            kwargs = self._loader_kwargs() | {"persistent_workers": False}
+            return StreamLoader(stream, position=self._train_position, **kwargs)
         # The order is a function of the seed and the epoch alone, so a resumed run sees the same batches.
-        sampler = ResumableRandomSampler(len(self._train), self.seed)
+        sampler = ResumableRandomSampler(len(self._train), self.seed)  # type: ignore[arg-type]
         return ResumableDataLoader(self._train, sampler=sampler, position=self._train_position, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:

@@ -274,7 +274,10 @@ class Run:
                 "use data.tokenizer=model or a smaller data.bpe_vocab_size"
             )
         log.info(
-            "model=%s attention=%s policy=%s plan=%s loss=%s precision=%s | %s params | %d train / %d val tokens",
+            "%s", data.describe(config.tokens_per_step * build.data_parallel_ranks(config), config.trainer.max_steps)
+        )
+        log.info(
+            "model=%s attention=%s policy=%s plan=%s loss=%s precision=%s | %s params | %s train / %d val tokens",
             config.model.name,
             module.adapter.attention,
             module.policy.cfg.name,
@@ -282,7 +285,7 @@ class Run:
             config.loss.name,
             precision.describe(config.precision, config.trainer),
             f"{module.adapter.num_parameters():,}",
-            data.train_tokens,
+            "streamed" if data.train_tokens is None else data.train_tokens,
             data.val_tokens,
         )
         ckpt = str(resume_from) if resume_from else None
@@ -347,6 +350,7 @@ class Run:
             "data": {
                 "source": c.data.source,
                 "tokenizer": c.data.tokenizer,
+                "streaming": self.data.streaming,
                 "train_tokens": self.data.train_tokens,
                 "val_tokens": self.data.val_tokens,
             },

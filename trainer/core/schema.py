@@ -68,12 +68,20 @@ class DataConfig:
     source: str = "embedded"  # embedded | local | hub
     # local: files, folders (every non-hidden regular file, recursively) or globs ("**" allowed)
     path: list[str] = field(default_factory=list)
+    # local: auto (from the names) | text | json (JSON Lines) | parquet | arrow (a save_to_disk folder) | tokens
+    format: str = "auto"
     name: str | None = None  # hub: dataset name, e.g. "wikitext"
     config_name: str | None = None  # hub: e.g. "wikitext-103-raw-v1"
-    split: str = "train"  # hub split to read
-    text_field: str = "text"  # hub column holding the text
-    tokenizer: str = "byte"  # byte (vocab 256) | bpe (trained on the train split, cached) | model (model=hf's own)
+    split: str = "train"  # hub (or a saved DatasetDict) split to read
+    text_field: str = "text"  # the column holding the text (hub, JSON Lines, Parquet, saved datasets)
+    # tokenize and pack while training, split across ranks, position checkpointed; null: true for hub sources
+    streaming: bool | None = None
+    max_tokens: int | None = None  # stop the train split at this many tokens (streamed: per epoch, over all ranks)
+    tokenizer: str = "byte"  # byte (vocab 256) | bpe (trained on a sample of the train split, cached) | model (hf's)
     bpe_vocab_size: int = 4096
+    bpe_sample_chars: int = 10_000_000  # characters of the train split the BPE vocabulary is trained on
+    vocab_size: int | None = None  # format=tokens: the vocabulary the ids come from (else the model tokenizer's)
+    token_dtype: str | None = None  # format=tokens, a flat .bin: its ids' type (nanoGPT writes uint16)
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None: $CKPTLAB_CACHE or ~/.cache/ckptlab/data
     num_workers: int = 0
