@@ -38,6 +38,9 @@ TABLES = {
     ),
     "step-time": Table("bench.step_time_table", "docs/step-time.md", "predicted step per policy on catalogue GPUs"),
     "published": Table("bench.published", "README.md", "the published GPU record beside the estimate"),
+    "data": Table(
+        "bench.data", "docs/data.md", "first step and peak memory: streamed, prepared and nanoGPT-style corpora"
+    ),
     "fit-time": Table("bench.fit_time", "(prints only)", "what --fit costs beside one estimate"),
     "tensorboard": Table("bench.tb_screenshot", "docs/", "a tiny sweep in TensorBoard, photographed"),
 }

@@ -24,6 +24,8 @@ GENERATED = {
     "hf-families",
     "step-time-table",
     "published-record",
+    "data-first-step",
+    "data-loader",
 }
 # the two tables the README carries (bench.published, bench.compiled), their whole text in docs/
 README_GENERATED = {"published-summary", "compiled-summary"}
