@@ -182,11 +182,13 @@ class ResumableRandomSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
+        order = torch.randperm(self.n, generator=g)
         skip = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             skip, self._resume = self._resume[1], None
-        yield from order[skip:]
+        # A chunk of Python ints at a time: a 10 GB corpus has tens of millions of blocks, as a list ~1.5 GB.
+        for chunk in order[skip:].split(1 << 16):
+            yield from chunk.tolist()
 
 
 def _same_batch_size(state: dict[str, int], batch_size: int | None) -> None:
