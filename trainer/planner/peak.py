@@ -187,7 +187,9 @@ class PeakModel:
 
         DP over blocks in order. State: (Σ kf, Σ kb, restored bytes of the previous block) of the blocks decided so
         far; every later constraint depends on the past only through these, so keeping the fastest partial plan per
-        state is exact. Ties go to the earlier treatment in `treatments` order, block by block.
+        state is exact. Of plans equally fast, the one that leaves the most blocks under `none` wins (the profile
+        holds a treatment's measured time at none's when the clock saw it faster: recompute is never free, so at a
+        tie `none` is the faster in fact); remaining ties go to the earlier treatment in `treatments` order.
         """
         if self.constant > budget:
             return None
@@ -209,7 +211,7 @@ class PeakModel:
         partial plan found (states and treatments are visited in a fixed order, so the answer is reproducible)."""
         p = self.prof
         prefetch = p.prefetch
-        # score: time (objective=time) or (running max, time) (objective=peak)
+        # score: see _zero
         states: dict[tuple[int, int, int], tuple[Any, Any]] = {(0, 0, 0): (_zero(objective), None)}
         for i in range(p.n_layer):
             costs = [(t, p.costs[i][t]) for t in p.treatments]
@@ -223,10 +225,11 @@ class PeakModel:
                     if budget is not None and (fwd > budget or bwd > budget):
                         continue
                     key = (sf + c.kept_fwd, nsb, c.restored if prefetch else 0)
+                    extra = t != "none"  # blocks that recompute or move: the tie-break
                     if objective == "time":
-                        nscore: Any = score + c.ms
+                        nscore: Any = (score[0] + c.ms, score[1] + extra)
                     else:
-                        nscore = (max(score[0], fwd, bwd), score[1] + c.ms)
+                        nscore = (max(score[0], fwd, bwd), score[1] + c.ms, score[2] + extra)
                     old = nxt.get(key)
                     if old is None or nscore < old[0]:
                         nxt[key] = (nscore, (path, t))
@@ -239,7 +242,7 @@ class PeakModel:
             if budget is not None and head > budget:
                 continue
             if objective == "peak":
-                score = (max(score[0], head, self.constant), score[1])
+                score = (max(score[0], head, self.constant), *score[1:])
             if best is None or score < best[0]:
                 best = (score, path)
         if best is None:
@@ -286,7 +289,8 @@ def _pareto(states: dict[tuple[int, int, int], tuple[Any, Any]]) -> dict[tuple[i
 
 
 def _zero(objective: str) -> Any:
-    return 0.0 if objective == "time" else (0, 0.0)
+    """(time, blocks not under none) or (running peak, time, blocks not under none): compared in that order."""
+    return (0.0, 0) if objective == "time" else (0, 0.0, 0)
 
 
 def affine_profile(big: Profile, small: Profile, micro_batch: int) -> Profile:

@@ -274,7 +274,30 @@ def profile(
     prof = _assemble(treatments, blocks, rests, opt, shape, policy, notes)
     if run.rounds > 1:
         _in_the_chain(run, prof, batch, next(iter(losses.values())), policy)
+    if not fake and timing:
+        _no_faster_than_none(prof)
     return prof
+
+
+def _no_faster_than_none(prof: Profile) -> None:
+    """Hold each treatment's forward and backward time at least at none's, block by block.
+
+    Every treatment runs none's forward and none's backward and adds to them (a recompute, a copy), so one the clock
+    saw faster than none saw noise: on a small block the clock's spread exceeds the work a treatment adds, and the
+    planner would take a recompute plan at a budget that fits none. Held, such a treatment ties with none, and the
+    planner breaks ties toward none (PeakModel.solve). Predicted times (fake tensors) already count the extra work.
+    """
+    held: set[str] = set()
+    for costs in prof.costs:
+        none = costs.get("none")
+        if none is None:
+            return
+        for t, c in costs.items():
+            if c.fwd_ms < none.fwd_ms or c.bwd_ms < none.bwd_ms:
+                costs[t] = dataclasses.replace(c, fwd_ms=max(c.fwd_ms, none.fwd_ms), bwd_ms=max(c.bwd_ms, none.bwd_ms))
+                held.add(t)
+    if held:
+        prof.notes.append(f"timed faster than none, held at none's time: {', '.join(sorted(held))}")
 
 
 def _chainable(prof: Profile, t: str, device: torch.device) -> bool:
