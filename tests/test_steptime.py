@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.errors import ConfigError
 from trainer.measure.gpus import Gpu, load_catalogue
-from trainer.measure.time import calibration, collectives, roofline
+from trainer.measure.time import calibration, collectives, op_trace, roofline
 from trainer.measure.time.op_trace import OpKey, OpTrace, Work
 from trainer.measure.time.roofline import Speed
 
@@ -116,13 +116,24 @@ def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_ex
     assert Speed("cpu", speed.matmul, speed.bandwidth, 0.0, 0.0, 0.0).predict(work).ms == pytest.approx(10.0)
 
 
-def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move() -> None:
+def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimator's FSDP2 rank: parameters all-gathered in bf16 under FSDP2's mixed-precision policy (fp32 under
-    autocast over fp32 shards), gradients reduced in fp32; a fit table's GPU prices them."""
+    autocast over fp32 shards), gradients reduced in fp32; a fit table's GPU prices them, once: the op trace keys
+    FSDP2's own c10d collectives as free."""
     from trainer.core.schema import compose_config
     from trainer.estimate import measure, open_session
     from trainer.policies import build_policy
 
+    seen: list[tuple[str, str]] = []  # FSDP2's own collectives (c10d ops) as the op trace keys them
+
+    def classify(func: Any, *args: Any) -> Any:
+        key = op_trace_classify(func, *args)
+        if getattr(func, "namespace", "") == "c10d":
+            seen.append((func._overloadpacket.__name__, key.kind))
+        return key
+
+    op_trace_classify = op_trace.classify
+    monkeypatch.setattr(op_trace, "classify", classify)
     sent = {}
     for mode in ("fsdp2", "autocast"):
         config = compose_config(
@@ -144,6 +155,9 @@ def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move() -> N
         t = est.step_time(roofline.gpu_speed(load_catalogue()["H100-80GB"]))
         assert t.collective_ms > 0 and t.exposed_collective_ms > 0
     assert sent["fsdp2"] < sent["autocast"]
+    # charged once: on the link by Collectives, not also as memory-bound kernels in the trace
+    names = {n for n, _ in seen}
+    assert {"_allgather_base_", "_reduce_scatter_base_"} <= names and {k for _, k in seen} == {"free"}, seen
 
 
 def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:

@@ -7,8 +7,9 @@
 Every op torch dispatches is one of these kinds: `matmul` (it has a FLOP formula in torch's registry, the CPU SDPA
 kernels and the fused loss head included: trainer/measure/time/flops.py), `memory`, `math` and `random` (they move
 bytes: the bytes of every tensor they read and write, from the tensors' sizes, so fake tensors serve) and `free`
-(views, allocations and metadata, which move nothing), or `collective` (a functional collective, DTensor's: tensor
-parallelism's all-gathers, reduce-scatters and all-reduces, by the bytes one rank sends). A replayable op also
+(views, allocations and metadata, which move nothing; FSDP2's c10d collectives too, which `Work.collectives` prices
+on the link), or `collective` (a functional collective, DTensor's: tensor parallelism's all-gathers, reduce-scatters
+and all-reduces, by the bytes one rank sends). A replayable op also
 carries its signature (trainer.measure.time.op_replay), so a CPU can time it at its own shapes.
 
 Near tools: torch's `FlopCounterMode` sums FLOPs per module and has no bytes or per-op record (FlopTally's reasons
@@ -188,9 +189,14 @@ def sent_bytes(func: Any, args: Any, out: Any) -> int:
 def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
     """One dispatched op as (kind, dtype, FLOPs, bytes read and written; a collective's: bytes sent)."""
     packet = func._overloadpacket
-    if getattr(func, "namespace", "") == "_c10d_functional":  # DTensor's collectives: the link, not memory
+    namespace = getattr(func, "namespace", "")
+    if namespace == "_c10d_functional":  # DTensor's collectives: the link, not memory
         sent = sent_bytes(func, args, out)
         return OpKey("collective", "", 0, sent) if sent else OpKey("free", "", 0, 0)
+    if namespace == "c10d":
+        # FSDP2's all-gathers and reduce-scatters (c10d's in-place ops) go over the link too, and are priced there
+        # once, from the sharding (Work.collectives: Collectives.fsdp2); as memory they would be charged twice.
+        return OpKey("free", "", 0, 0)
     if flops:
         inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
