@@ -915,3 +915,23 @@ def test_a_new_treatment_with_a_parameter_is_one_class() -> None:
         assert model.activation_plan.describe() == "[0-3]:scaled_test"
     finally:
         POLICIES.pop("scaled_test")
+
+
+def test_a_save_list_name_this_torch_lacks_is_said_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchtitan's save lists name ops some torch versions lack; they are skipped as torchtitan skips them, and each
+    skipped name is logged once per process, not dropped without a word."""
+    import logging
+
+    from trainer.policies import library
+
+    monkeypatch.setattr(library, "_MISSING", set())
+    with caplog.at_level(logging.INFO, logger="trainer.policies.library"):
+        found = library._ops("aten.mm.default", "aten.no_such_op.default", "hop.no_such_hop")
+        library._ops("aten.no_such_op.default")
+    assert found == frozenset({torch.ops.aten.mm.default})
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.policies.library"]
+    assert len(lines) == 2, lines
+    assert "aten.no_such_op.default" in lines[0] and "hop.no_such_hop" in lines[1]
+    assert all(line.endswith("lacks: not saved") for line in lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from trainer.policies.base import (
     treatments,
 )
 from trainer.policies.offload import ActivationOffloader
+
+log = logging.getLogger(__name__)
 
 
 @register
@@ -208,19 +211,30 @@ def _entered_together(outer: Any, inner: Any) -> Iterator[None]:
 
 def _ops(*names: str) -> frozenset[Any]:
     """Ops by dotted name under torch.ops (or torch._higher_order_ops: "hop.<name>"), skipping those this torch
-    lacks, as torchtitan does."""
+    lacks, as torchtitan does; each skipped name is said once (logged at INFO), not dropped without a word."""
     out = set()
     for name in names:
         obj: Any = torch.ops
+        path = name
         if name.startswith("hop."):
-            obj, name = torch._higher_order_ops, name.removeprefix("hop.")
+            obj, path = torch._higher_order_ops, name.removeprefix("hop.")
         try:
-            for part in name.split("."):
+            for part in path.split("."):
                 obj = getattr(obj, part)
         except (AttributeError, RuntimeError):
+            _say_missing(name)
             continue
         out.add(obj)
     return frozenset(out)
+
+
+_MISSING: set[str] = set()
+
+
+def _say_missing(name: str) -> None:
+    if name not in _MISSING:
+        _MISSING.add(name)
+        log.info("torchtitan's save list names %s, which this torch %s lacks: not saved", name, torch.__version__)
 
 
 def torchtitan_save_ops(version: str) -> frozenset[Any]:
