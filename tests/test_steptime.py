@@ -119,17 +119,28 @@ def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_ex
 def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimator's FSDP2 rank: parameters all-gathered in bf16 under FSDP2's mixed-precision policy (fp32 under
     autocast over fp32 shards), gradients reduced in fp32; a fit table's GPU prices them, once: the op trace keys
-    FSDP2's own c10d collectives as free."""
+    FSDP2's own c10d collectives as free, and charges the copies around them the bytes they read and write."""
     from trainer.core.schema import compose_config
     from trainer.estimate import measure, open_session
     from trainer.policies import build_policy
 
     seen: list[tuple[str, str]] = []  # FSDP2's own collectives (c10d ops) as the op trace keys them
+    copies: list[tuple[str, int, int]] = []  # FSDP2's copies: (op, bytes charged, bytes read once + written once)
 
-    def classify(func: Any, *args: Any) -> Any:
-        key = op_trace_classify(func, *args)
+    def nbytes(tree: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(tree) if torch.is_tensor(t))
+
+    def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> Any:
+        key = op_trace_classify(func, args, kwargs, out, flops)
+        name = func._overloadpacket.__name__
         if getattr(func, "namespace", "") == "c10d":
-            seen.append((func._overloadpacket.__name__, key.kind))
+            seen.append((name, key.kind))
+        elif name == "all_gather_copy_in":  # its shards into this rank's slice (out[0]) of the buffer handed in
+            copies.append((name, key.nbytes, nbytes(args[0]) + nbytes(out[0])))
+        elif name in ("split_with_sizes_copy", "chunk_cat"):  # sources read, the out= tensors written
+            copies.append((name, key.nbytes, nbytes(args[0]) + nbytes(kwargs["out"])))
+        elif name == "_foreach_copy_":  # sources (args[1]) read, destinations overwritten
+            copies.append((name, key.nbytes, nbytes(args[1]) + nbytes(args[0])))
         return key
 
     op_trace_classify = op_trace.classify
@@ -158,6 +169,9 @@ def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move(monkey
     # charged once: on the link by Collectives, not also as memory-bound kernels in the trace
     names = {n for n, _ in seen}
     assert {"_allgather_base_", "_reduce_scatter_base_"} <= names and {k for _, k in seen} == {"free"}, seen
+    # and the copies around them charged what they read and write, each tensor once
+    assert {"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "_foreach_copy_"} <= {c[0] for c in copies}
+    assert all(charged == moved for _, charged, moved in copies), copies
 
 
 def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:

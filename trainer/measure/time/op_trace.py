@@ -149,14 +149,34 @@ def causal_share(func: Any, args: Any, kwargs: Any) -> float:
     return (s + 1) / (2 * s) if s > 0 else 1.0
 
 
+_OVERWRITES = frozenset(("copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_"))
+
+
 def moved_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     """The bytes an op reads and writes: each input tensor once (`x * x` reads x once), what it returns, and what it
-    writes in place without returning (`_foreach_add_` returns nothing). A gather reads only the rows it gathers:
-    an embedding lookup its ids' rows of the table, `nll_loss` one log-probability per target."""
+    writes in place without returning (`_foreach_add_` returns nothing); an `out=` tensor, or what a copy or fill
+    overwrites, is written, not read. A gather reads only the rows it gathers: an embedding lookup its ids' rows of
+    the table, `nll_loss` one log-probability per target."""
     name = func._overloadpacket.__name__
+    schema = getattr(func, "_schema", None)
+    if getattr(func, "namespace", "") == "fsdp" and name == "all_gather_copy_in":
+        # FSDP2's copy-in: its shards copied into this rank's slice of the all-gather buffer, which is made outside
+        # and handed in (the other ranks' slices arrive over the link): read the shards, write the slice.
+        return 2 * sum(_nbytes(t) for t in _tensors(args[0]))
+    # Written, not read: `out=` arguments (FSDP2's copy-out and reduce-scatter input, any `.out` variant) and what a
+    # copy or fill overwrites (FSDP2's cast of its shards into the all-gather inputs: `_foreach_copy_`)
+    written_only = {
+        id(t)
+        for arg in (schema.arguments if schema is not None else ())
+        if arg.is_out
+        for t in _tensors(kwargs.get(arg.name))
+    }
+    if name in _OVERWRITES and args:
+        written_only.update(id(t) for t in _tensors(args[0]))
     reads: dict[int, int] = {}
     for t in _tensors((args, kwargs)):
-        reads.setdefault(id(t), _nbytes(t))
+        if id(t) not in written_only:
+            reads.setdefault(id(t), _nbytes(t))
     if name == "embedding" and len(args) >= 2 and isinstance(args[0], torch.Tensor):
         weight, ids = args[0], args[1]
         reads[id(weight)] = ids.numel() * weight.shape[-1] * weight.element_size()
@@ -164,7 +184,7 @@ def moved_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int:
         logp, target = args[0], args[1]
         reads[id(logp)] = target.numel() * logp.element_size()
     writes = {id(t): _nbytes(t) for t in _tensors(out)}
-    schema = getattr(func, "_schema", None)
+    writes.update({i: _nbytes(t) for t in _tensors((args, kwargs)) if (i := id(t)) in written_only})
     if schema is not None:  # in-place writes: counted as written too, returned or not
         for arg, value in zip(schema.arguments, args, strict=False):
             if arg.alias_info is not None and arg.alias_info.is_write:
