@@ -86,21 +86,26 @@ def profiled(accum: int = 1) -> Profile:
     )
 
 
-def test_real_times_come_from_rounds_and_the_whole_stack() -> None:
-    """Timed rounds (more than one) scale the blocks to the whole stack's time under each uniform plan: the profile
-    says by how much, and every treatment has a time."""
+def timed_profile(repeats: int) -> Profile:
+    """The 4-block model profiled on real tensors in fp32 with `repeats` timed rounds after one warm-up."""
     model = copy.deepcopy(base_model())
     idx, tgt = batches()
-    prof = planner.profile(
+    return planner.profile(
         model,
         (idx[0], tgt[0]),
         loss_fn=loss_fn(model),
         precision="32-true",
         make_optimizer=planner.default_optimizer(),
-        repeats=2,
+        repeats=repeats,
         warmup=1,
         policy=build_policy({"name": "auto", "budget_mib": 1000.0}),
     )
+
+
+def test_real_times_come_from_rounds_and_the_whole_stack() -> None:
+    """Timed rounds (more than one) scale the blocks to the whole stack's time under each uniform plan: the profile
+    says by how much, and every treatment has a time."""
+    prof = timed_profile(repeats=2)
     note = next(n for n in prof.notes if n.startswith("block times scaled to the whole stack's"))
     assert all(f"{t} ×" in note for t in prof.treatments)
     assert all(c.ms > 0 for costs in prof.costs for c in costs.values())
@@ -330,18 +335,7 @@ def test_a_noisy_clock_cannot_make_recompute_look_free(monkeypatch: pytest.Monke
     for seed in range(4):
         rng = random.Random(seed)
         monkeypatch.setattr(profiler._Timer, "__call__", lambda self, fn, rng=rng: (fn(), rng.uniform(1.0, 2.0)))
-        model = copy.deepcopy(base_model())
-        idx, tgt = batches()
-        prof = planner.profile(
-            model,
-            (idx[0], tgt[0]),
-            loss_fn=loss_fn(model),
-            precision="32-true",
-            make_optimizer=planner.default_optimizer(),
-            repeats=3,
-            warmup=1,
-            policy=build_policy({"name": "auto", "budget_mib": 1000.0}),
-        )
+        prof = timed_profile(repeats=3)
         for costs in prof.costs:
             none = costs["none"]
             assert all(c.fwd_ms >= none.fwd_ms and c.bwd_ms >= none.bwd_ms for c in costs.values())
