@@ -150,15 +150,14 @@ def loader_rates(corpus: Path, work: Path, seconds: float = 10.0) -> list[tuple[
     after its first batch (many tokenizer calls, not one batch's buffer); of one gpt2 training step at that shape on
     this CPU (batch 1, best of two); and the estimator's predicted gpt2 step on an H100 (batch 8)."""
     from bench.harness import Harness, bench_config
-    from trainer.core.data import DataConfig, TextDataModule
+    from trainer.core import build
+    from trainer.core.schema import compose_config
 
     rates = []
     for tokenizer in ("byte", "bpe"):
-        cfg = DataConfig(source="local", path=[str(corpus)], streaming=True, tokenizer=tokenizer)
-        cfg.cache_dir, cfg.bpe_vocab_size, cfg.bpe_sample_chars = str(work / "cache"), 8192, 10_000_000
-        dm = TextDataModule(cfg, seq_len=1024, batch_size=8, seed=0)
-        dm.prepare_data()
-        dm.setup()
+        overrides = ["data=local", f"data.path=[{corpus}]", "data.streaming=true", f"data.tokenizer={tokenizer}"]
+        overrides += [f"data.cache_dir={work / 'cache'}", "data.bpe_vocab_size=8192", "data.bpe_sample_chars=10000000"]
+        dm = build.data_module(compose_config([*overrides, "model=gpt2", "seq_len=1024", "batch_size=8", "seed=0"]))
         it = iter(dm.train_dataloader())
         next(it)
         t0, batches = time.perf_counter(), 0
