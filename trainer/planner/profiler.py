@@ -465,17 +465,17 @@ class _BlockBench:
     def once(self, i: int, x_from: int, tracker: LiveTensorTracker | None = None) -> dict[str, float]:
         return _run_block(self.run, self.blocks[i], self.inputs[x_from], self.contexts[i], self.seed_w, tracker)
 
-    def measure(self, members: Sequence[int], t: str) -> dict[str, float]:
+    def measure(self, members: Sequence[int], t: str) -> dict[str, Any]:
         """The bytes of the group's first block under `t`, after a warm-up run (lazy init, SAC contexts,
-        allocator)."""
+        allocator); `warm_ms`: the warm-up run's forward and backward time."""
         first = members[0]
         self.install(first, t)
         try:
-            self.once(first, first)
+            warm = self.once(first, first)
             self.clear_grads([first])
             tracker = self.run.tracker()
             with tracker:
-                return self.once(first, first, tracker)
+                return {**self.once(first, first, tracker), "warm_ms": (warm["fwd_ms"], warm["bwd_ms"])}
         finally:
             self.uninstall(first)
             self.clear_grads(members)
@@ -538,12 +538,17 @@ def _profile_blocks(
     # offload's prefetch brings back what `none` would keep: measure `none`'s bytes even when it is no candidate
     measured = tuple(treatments) + (("none",) if "offload" in treatments and "none" not in treatments else ())
     costs: list[dict[str, Cost]] = [{} for _ in bench.blocks]
-    times = bench.time_rounds([members[0] for members in groups.values()], treatments)
+    # A clock of FLOPs and bytes gives the warm-up run's time every time: the block is not installed (compiled,
+    # under compile) again to be timed.
+    deterministic = isinstance(run.timer, _RooflineClock) and run.rounds == 1
+    firsts = [members[0] for members in groups.values()]
+    times = {} if deterministic else bench.time_rounds(firsts, treatments)
     for members in groups.values():
         results = {t: bench.measure(members, t) for t in measured}
         none = results.get("none")
         for t in treatments:
-            cost = _cost(results[t], none, t, times[(members[0], t)])
+            timed = results[t]["warm_ms"] if deterministic else times[(members[0], t)]
+            cost = _cost(results[t], none, t, timed)
             for i in members:
                 costs[i][t] = cost
     block_grads = [_unique_bytes([p for p in b.parameters() if p.requires_grad]) for b in bench.blocks]
