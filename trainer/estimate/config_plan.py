@@ -5,6 +5,7 @@ the step-time model predicts them) or on real ones (the device the run would tra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -117,7 +118,8 @@ def _compiled_whole(session: Session, result: PlanResult) -> PlanResult:
     but a run compiles the model whole, and inductor then schedules one block's recompute beside another's: the
     whole step can peak above the blocks' sum (measured on llama-tiny: op_sac +19 %, full +18 %). So the plan is
     estimated as the run will compile it, and while that is over the budget it is solved again with the difference
-    added to the fixed memory (what a run does once it has measured), up to VERIFY_ROUNDS times."""
+    added to the fixed memory (what a run does once it has measured), up to VERIFY_ROUNDS times; the plan that fits
+    takes the whole's estimate as its predicted peak."""
     policy = build_policy(session.config.policy)
     for _ in range(VERIFY_ROUNDS):
         policy.choose(result.treatments)
@@ -126,8 +128,10 @@ def _compiled_whole(session: Session, result: PlanResult) -> PlanResult:
         if whole <= result.budget or excess <= 0:
             result.notes.append(
                 f"checked compiled whole: {whole / MIB:,.1f} MiB (the blocks' sum predicted "
-                f"{result.solution.peak / MIB:,.1f} MiB)"
+                f"{result.solution.peak / MIB:,.1f} MiB), the plan's predicted peak"
             )
+            # the run compiles the model whole: its peak is this estimate's, above or below the blocks' sum
+            result.solution = dataclasses.replace(result.solution, peak=whole)
             return result
         configured = (result.configured_micro_batch, result.configured_accum)
         prof = result.profile.with_extra(result.profile.extra + excess)
