@@ -27,10 +27,7 @@ TABLES = {
     "policies": Table(
         "bench.policies",
         "docs/benchmarks.md",
-        "every policy and loss head: step time, memory and FLOPs, measured beside the estimate",
-    ),
-    "policy-table": Table(
-        "bench.policy_table", "docs/benchmarks.md", "every policy against none: activation peak and FLOPs of one step"
+        "every policy and loss head: step time, memory and FLOPs, measured beside the estimate; each plan",
     ),
     "planner": Table("bench.planner", "docs/benchmarks.md", "policy=auto across budgets beside the uniform policies"),
     "compiled": Table(

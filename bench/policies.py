@@ -1,7 +1,7 @@
 """Every policy and every loss head side by side: step time, memory and FLOPs as ratios, measured and estimated.
 
     python -m bench.policies                                   # CPU: tiny, every policy; loss heads at vocab 32768
-    python -m bench.policies --models tiny,llama-tiny --write-docs      # docs/benchmarks.md's two blocks
+    python -m bench.policies --models tiny,llama-tiny --write-docs      # docs/benchmarks.md's three blocks
     python -m bench.policies --model micro --rounds 2 --head-vocab 4096 # a smoke run (seconds)
     python -m bench.policies --device cuda --model gpt2 --batch 8 --seq 1024 --vocab 50257 --precision bf16-mixed
 
@@ -41,8 +41,9 @@ steps, so no variant gets other weights or another batch.
 Targets (reported, never asserted): full ≤ 1.35× none step time; selective (eager attention) ≤ 1.10×; Lightning
 ≤ 1.02× the bare loop; activation peak of full ≤ 1/4 of none.
 
-`--write-docs` puts the report between docs/benchmarks.md's bench-table markers, and the paragraph on how close
-both step-time sources came (`policies_report.accuracy`) between its bench-accuracy markers.
+`--write-docs` puts the report between docs/benchmarks.md's bench-table markers, the paragraph on how close both
+step-time sources came (`policies_report.accuracy`) between its bench-accuracy markers, and the first model's plans,
+activation peaks and FLOPs per policy (`policies_report.policy_table`) between its policy-table markers.
 """
 
 from __future__ import annotations
@@ -83,7 +84,16 @@ from bench.harness import (
     spread,
     sync,
 )
-from bench.policies_report import ACCURACY_END, ACCURACY_START, accuracy, report, targets
+from bench.policies_report import (
+    ACCURACY_END,
+    ACCURACY_START,
+    POLICY_TABLE_END,
+    POLICY_TABLE_START,
+    accuracy,
+    policy_table,
+    report,
+    targets,
+)
 from trainer.core.schema import Config, ModelConfig, describe_user_error
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
@@ -94,6 +104,7 @@ from trainer.policies import Policy, policy_params
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 HEADING = "## Benchmark: step time, memory and FLOPs side by side"
 ACCURACY_HEADING = "## How close: step time predicted vs measured"
+POLICY_TABLE_HEADING = "## Every policy against `none`"
 COMMAND = "python -m bench.policies"
 CONF = ROOT / "conf"
 HEAD_VOCAB = 32768  # a BPE vocabulary (LLaMA-2's is 32000)
@@ -616,10 +627,11 @@ def main(argv: list[str] | None = None) -> int:
     print(block + ("\n\n" + close if close else ""))
     print(f"\nwrote {out}/results.csv, results.json, table.md, accuracy.md", file=sys.stderr)
     if args.write_docs:
+        replace_block(args.page, POLICY_TABLE_START, POLICY_TABLE_END, policy_table(result), POLICY_TABLE_HEADING)
         replace_block(args.page, START, END, block, HEADING)
         if close:
             replace_block(args.page, ACCURACY_START, ACCURACY_END, close, ACCURACY_HEADING)
-        print(f"wrote {args.page} ({START} … {END}, {ACCURACY_START} … {ACCURACY_END})", file=sys.stderr)
+        print(f"wrote {args.page} (its policy-table, bench-table and bench-accuracy blocks)", file=sys.stderr)
     return 0
 
 

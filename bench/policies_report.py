@@ -1,5 +1,6 @@
 """bench.policies' report: the side-by-side table, the targets it checks, the header that says how it was measured,
-and the paragraph on how close both step-time sources came (docs/benchmarks.md's bench-accuracy block)."""
+the paragraph on how close both step-time sources came (docs/benchmarks.md's bench-accuracy block), and every policy
+against `none` on the first model (the policy-table block: the same steps' plans, bytes and FLOPs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from bench.accuracy import Point, joined, rankings_text, sources_text
 
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 ACCURACY_START, ACCURACY_END = "<!-- bench-accuracy:start -->", "<!-- bench-accuracy:end -->"
+POLICY_TABLE_START, POLICY_TABLE_END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
 SOURCE_TARGETS = {"profile": 0.05, "roofline": 0.15}  # a step-time source's target: within this of measured
 
 TARGETS = {"full": 1.35, "selective": 1.10, "lightning": 1.02, "full_activation": 0.25}
@@ -311,3 +313,29 @@ def report(result: dict[str, Any]) -> str:
         + ("\n".join(ranks) + "\n\n" if ranks else "")
         + targets_text(result["targets"])
     )
+
+
+def policy_table(result: dict[str, Any]) -> str:
+    """Every policy against `none` on the first model: its plan, activation peak and FLOPs, from the rows the
+    side-by-side table shows (the same steps, not measured again)."""
+    m, section = result["meta"], result["sections"][0]
+    rows = [r for r in result["rows"] if r["section"] == 0 and r["kind"] == "policy"]
+    none = next(r for r in rows if r["name"] == "none")
+    lines = [
+        f"From `{m['command']} --write-docs` ({environment_text(m)}), the first shape of the side-by-side table "
+        f"below: {section['shape']}. Per policy (parameters from conf/policy/) its plan (`Plan.describe()`), the "
+        "activation peak (`trainer.core.step.StepMeter`: a run's memory/activation_peak_mib, gradient buffers and the "
+        "training state left out) and the FLOPs of one step (`trainer.measure.time.flops.count_flops`, recompute "
+        "included; torch's checkpoint early stop skips each region's trailing ops that nothing saves).",
+        "",
+        "| policy | plan (`Plan.describe()`) | activation peak MiB | × none | GFLOP fwd+bwd | × none |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        name, _, params = r["label"].partition(" ")
+        lines.append(
+            f"| `{name}`{' ' + params if params else ''} | `{r['plan']}` | {r['activation_mib']:.1f} "
+            f"| {r['activation_mib'] / none['activation_mib']:.2f} | {r['flops'] / 1e9:.2f} "
+            f"| {r['flops'] / none['flops']:.3f} |"
+        )
+    return "\n".join(lines)

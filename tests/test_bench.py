@@ -19,10 +19,10 @@ import torch
 
 from bench import planner as bench_planner
 from bench import policies as bench
-from bench import policy_table, step_time_table
+from bench import step_time_table
 from bench._readme import BENCHMARKS_PAGE, STEP_TIME_PAGE, cpu_name, replace_block
 from bench.accuracy import Point, rankings_text, sources_text
-from bench.policies_report import ACCURACY_END, ACCURACY_START
+from bench.policies_report import ACCURACY_END, ACCURACY_START, POLICY_TABLE_END, POLICY_TABLE_START
 from tests.conftest import ROOT
 from trainer.policies import POLICIES, Plan
 from trainer.precision import cpu_bf16_native, resolve
@@ -153,7 +153,7 @@ def test_outputs_header_and_docs_blocks(micro_run: dict[str, Any]) -> None:
     assert f"{bench.START}\n{table}\n{bench.END}" in after
     assert f"{ACCURACY_START}\n{accuracy}\n{ACCURACY_END}" in after
     assert after.split(bench.START)[0] == before.split(bench.START)[0]
-    blocks = ((bench.START, bench.END), (ACCURACY_START, ACCURACY_END))
+    blocks = ((bench.START, bench.END), (ACCURACY_START, ACCURACY_END), (POLICY_TABLE_START, POLICY_TABLE_END))
     assert _outside(after, *blocks) == _outside(before, *blocks)
     for start, end in blocks:
         assert after.count(start) == after.count(end) == 1
@@ -174,23 +174,20 @@ def test_several_models_in_one_run(tmp_path: Path) -> None:
     assert "| llama-tiny | `full` |" in table and "| micro | `full` |" in table
 
 
-def test_policy_table_agrees_with_the_benchmark(micro_run: dict[str, Any], tmp_path: Path) -> None:
-    out = policy_table.run(["model=micro", "seq_len=32"])
-    measured = _rows(micro_run["data"], "policy")
-    assert [r["name"] for r in out["rows"]] == list(measured) and list(out["skipped"]) == ["memory_budget", "auto"]
-    for r in out["rows"]:  # the same step on the same config: the same bytes and FLOPs
-        assert r["activation_bytes"] / MIB == measured[r["name"]]["activation_mib"]
-        assert r["flops"] == measured[r["name"]]["flops"]
-        assert r["plan"] == measured[r["name"]]["plan"]
-    text = policy_table.header(out) + "\n\n" + policy_table.table(out)
-    assert cpu_name() in text and "| `full` | `[0-1]:full` |" in text
-    page = tmp_path / "benchmarks.md"  # --write-readme/--readme: the former names of --write-docs/--page
-    page.write_text(f"# x\n\n{policy_table.START}\nold\n{policy_table.END}\ntail\n")
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert policy_table.main(["--model", "micro", "seq_len=32", "--write-readme", "--readme", str(page)]) == 0
-    lines = page.read_text().splitlines()
-    assert lines[:3] == ["# x", "", policy_table.START] and lines[-2:] == [policy_table.END, "tail"]
-    assert len(lines) == 3 + 2 + 2 + len(out["rows"]) + 2  # header, blank, table head, rows
+def test_the_policy_table_is_the_benchmarks_own_rows(micro_run: dict[str, Any]) -> None:
+    """The policy-table block (every policy against none) is written by bench.policies from the rows it measured:
+    the same plans, bytes and FLOPs, in the registry's order, once each."""
+    rows = _rows(micro_run["data"], "policy")
+    block = micro_run["page"].read_text().split(POLICY_TABLE_START)[1].split(POLICY_TABLE_END)[0]
+    lines = [line for line in block.splitlines() if line.startswith("| `")]
+    assert len(lines) == len(rows) == len(EAGER_ROWS)
+    for line, r in zip(lines, rows.values(), strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0].startswith(f"`{r['policy']}`") and cells[1] == f"`{r['plan']}`", line
+        assert cells[2] == f"{r['activation_mib']:.1f}" and cells[4] == f"{r['flops'] / 1e9:.2f}", line
+        assert cells[3] == f"{r['activation_mib'] / rows['none']['activation_mib']:.2f}", line
+    assert cpu_name() in block and "| `full` | `[0-1]:full` |" in block
+    assert "| `per_block` (pattern=[full, none]) | `[0]:full [1]:none` |" in block  # its parameters by its name
 
 
 def test_planner_bench_plans_fit_their_budgets() -> None:
@@ -254,7 +251,7 @@ def test_the_benchmark_tables_live_on_their_docs_pages() -> None:
     """Every block a benchmark writes sits on its docs page, between its markers, once."""
     pages = {
         BENCHMARKS_PAGE: [
-            (policy_table.START, policy_table.END),
+            (POLICY_TABLE_START, POLICY_TABLE_END),
             (bench.START, bench.END),
             (ACCURACY_START, ACCURACY_END),
             (bench_planner.START, bench_planner.END),
