@@ -152,7 +152,7 @@ def test_outputs_header_and_docs_blocks(micro_run: dict[str, Any]) -> None:
     before, after = BENCHMARKS_PAGE.read_text(), micro_run["page"].read_text()
     assert f"{bench.START}\n{table}\n{bench.END}" in after
     assert f"{ACCURACY_START}\n{accuracy}\n{ACCURACY_END}" in after
-    assert after.split(bench.START)[0] == before.split(bench.START)[0]
+    assert after.split(POLICY_TABLE_START)[0] == before.split(POLICY_TABLE_START)[0]
     blocks = ((bench.START, bench.END), (ACCURACY_START, ACCURACY_END), (POLICY_TABLE_START, POLICY_TABLE_END))
     assert _outside(after, *blocks) == _outside(before, *blocks)
     for start, end in blocks:
