@@ -393,11 +393,11 @@ def test_cli_estimates_the_plan_the_planner_chose(
 
 
 def test_cli_does_not_fit_names_the_policies_that_do(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["model=micro", "model.n_layer=8", "seq_len=64", "batch_size=16", "precision=32-true", "--budget", "16MiB"]
+    args = ["model=micro", "model.n_layer=8", "seq_len=64", "batch_size=4", "precision=32-true", "--budget", "4MiB"]
     assert main(args) == 0
     out = capsys.readouterr().out
     verdict = next(line for line in out.splitlines() if line.startswith("policy=none"))
-    assert "does not fit in 16.0 MiB" in verdict and "policies that fit: " in verdict
+    assert "does not fit in 4.0 MiB" in verdict and "policies that fit: " in verdict
     assert "full" in verdict.split("policies that fit: ")[1] and "selective" not in verdict.split(": ")[-1]
 
 
