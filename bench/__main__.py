@@ -6,7 +6,8 @@
 
 Each table is a module of bench/ with a `main(argv)`; this registry is the one list of them (the docs name a table by
 its key here), so a table is measured by one module and written to one page. The compatibility sweep of
-Hugging Face families is a tool, not a benchmark: `python -m trainer.families`.
+Hugging Face families is a tool, not a benchmark: `python -m trainer.families`; so are the TensorBoard pictures of
+docs/tensorboard.md: `python -m trainer.report.tensorboard`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ TABLES = {
         "bench.data", "docs/data.md", "first step and peak memory: streamed, prepared and nanoGPT-style corpora"
     ),
     "fit-time": Table("bench.fit_time", "(prints only)", "what --fit costs beside one estimate"),
-    "tensorboard": Table("bench.tb_screenshot", "docs/", "a tiny sweep in TensorBoard, photographed"),
 }
 
 

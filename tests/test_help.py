@@ -59,6 +59,7 @@ COMMANDS = [
     "trainer.export",
     "trainer.check",
     "trainer.report",
+    "trainer.report.tensorboard",
     "trainer.families",
     "bench",
     *_bench_commands(),

@@ -3,7 +3,7 @@ the HParams copies last), the HParams columns a sweep compares ticked, Custom Sc
 
 Fast tests read a real run's events with TensorBoard's own readers and sorting code; the slow one serves a tiny real
 sweep with `tensorboard`, asks its HTTP API what the page shows, and photographs the tabs in headless Chromium
-(bench/tb_screenshot.py; skipped without Chromium)."""
+(trainer/report/tensorboard.py; skipped without Chromium)."""
 
 from __future__ import annotations
 
@@ -193,11 +193,11 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_a_served_sweep_reads_well_in_a_browser(tmp_path: Path) -> None:
     from matplotlib import image
 
-    from bench import tb_screenshot as shot
+    from trainer.report import tensorboard as shot
 
     chromium = shot.find_chromium()
     if chromium is None:
-        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium); bench/tb_screenshot.py needs one")
+        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium); trainer.report.tensorboard needs it")
     sweep = shot.tiny_sweep(tmp_path / "sweep")
     jobs = sorted(p.parent.name for p in sweep.glob("*/summary.json"))
     assert jobs == [

@@ -1,7 +1,7 @@
 """Open a sweep in TensorBoard as a user does, photograph its tabs, and say what TensorBoard itself serves.
 
-    python -m bench.tb_screenshot                          # a tiny CPU sweep (policy=none,full) in a temp folder
-    python -m bench.tb_screenshot --sweep runs/sweeps/<stamp> --out docs    # a sweep of yours (made if missing)
+    python -m trainer.report.tensorboard                          # a tiny CPU sweep (policy=none,full) in a temp folder
+    python -m trainer.report.tensorboard --sweep runs/sweeps/<stamp> --out docs    # a sweep of yours (made if missing)
 
 Starts `tensorboard --logdir <sweep> --port <free port>`, reads its HTTP data API (the runs, the HParams experiment
 and sessions, the Time Series tags, the Custom Scalars layout), opens the Time Series, HParams and Custom Scalars
@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from trainer import CONF
+
+ROOT = CONF.parent  # the checkout: train.py and docs/
 # The policy_sweep preset, shrunk (as tests/test_sweep.py runs it): policy none,full x micro 8x1,2x4 = 4 jobs of
 # seconds each on 2 CPU cores. The shrinking keys stay out of the job folders' names (and so the run names).
 SWEEP = ["experiment=policy_sweep", "policy=none,full", "micro=8x1,2x4"]
