@@ -18,6 +18,7 @@ from trainer.precision import cpu_bf16_native, resolve
 __all__ = [
     "add_page_arguments",
     "BENCHMARKS_PAGE",
+    "CACHED_SPEED_HELP",
     "DOCS",
     "ROOT",
     "STEP_TIME_PAGE",
@@ -31,6 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BENCHMARKS_PAGE = DOCS / "benchmarks.md"  # the measured tables, each between its markers
 STEP_TIME_PAGE = DOCS / "step-time.md"  # the estimator's predicted step per policy (bench.step_time_table)
+# A roofline's CPU is calibrated beside the measured steps by default: a shared machine's speed drifts, and the
+# calibration costs tens of seconds where bf16 is emulated. The cached one (from the last calibration here) is for a
+# quick look and for tests, whose figures do not depend on it; the header says which it was.
+CACHED_SPEED_HELP = "the roofline from this CPU's cached calibration, not one measured now beside the steps"
 
 
 def publish(args: argparse.Namespace, block: str, start: str, end: str, heading: str) -> int:

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench._readme import BENCHMARKS_PAGE, ROOT, add_page_arguments, replace_block
+from bench._readme import BENCHMARKS_PAGE, CACHED_SPEED_HELP, ROOT, add_page_arguments, replace_block
 from bench.harness import (
     BenchError,
     Harness,
@@ -454,11 +454,11 @@ def _overhead_row(s: Section, index: int, vocab: int, overhead: dict[str, list[f
 
 
 def run_section(
-    s: Section, index: int, device: torch.device, rounds: int, warmup: int, overhead_steps: int
+    s: Section, index: int, device: torch.device, rounds: int, warmup: int, overhead_steps: int, recalibrate: bool
 ) -> dict[str, Any]:
     phases: dict[str, float] = {}
     m = _measure(s, device, rounds, warmup, phases)
-    m["speed"] = speed_here(device, recalibrate=True)  # beside the measured steps
+    m["speed"] = speed_here(device, recalibrate=recalibrate)  # beside the measured steps, unless --cached-speed
     t0 = time.perf_counter()
     est, est_errors = _estimates(s, device)
     phases["estimator"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -497,7 +497,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for s in sections:
         labels = ", ".join(dict.fromkeys(v.label for v in s.variants.values()))
         print(f"bench: {' '.join(s.overrides)} on {device}: {labels}", file=sys.stderr)
-    results = [run_section(s, i, device, rounds, warmup, overhead) for i, s in enumerate(sections)]
+    recalibrate = not args.cached_speed
+    results = [run_section(s, i, device, rounds, warmup, overhead, recalibrate) for i, s in enumerate(sections)]
     return {
         "meta": {
             **sections[0].env,
@@ -575,6 +576,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--head-policies", default="none,full", help="policies each loss head runs under (none,full)")
     ap.add_argument("--chunk-tokens", type=int, help="loss.chunk_tokens of chunked/fused (default: tokens/4, ≤ conf)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1)")
+    ap.add_argument("--cached-speed", action="store_true", help=CACHED_SPEED_HELP)
     ap.add_argument(
         "--out", type=Path, help="folder for results.csv/.json, table.md, accuracy.md (default runs/bench/<stamp>)"
     )
