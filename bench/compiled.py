@@ -2,7 +2,7 @@
 
     python -m bench.compiled                      # tiny and llama-tiny (conf defaults: 4×256 tokens), print
     python -m bench.compiled --write-docs         # also rewrite docs/benchmarks.md's compiled-table and the README's
-    python -m bench.compiled --models tiny --reps 5 seq_len=128
+    python -m bench.compiled --models tiny --reps 5 --levels 0 seq_len=128    # without auto
 
 For each model, one configuration composed as train.py composes it (precision=32-true, model.dropout=0: the budget
 partitioner is refused with dropout on, and every row runs alike), and for every variant a module built from the same
@@ -14,8 +14,12 @@ is `peak_total_mib`), then timed: `--reps` rounds interleaved across variants (o
 half the IQR. Ratios are compiled ÷ eager of the same policy, measured side by side here. Beside each, the
 estimator's figures for the same configuration: its peaks, its predicted step time and the error.
 
-Beside each budget the table names the fastest compiled uniform policy whose measured peak is at most that budget's;
-`auto` under compile against the partitioner is bench.planner's compiled half (bench/planner_compiled.py).
+Beside each budget the table names the fastest compiled uniform policy whose measured peak is at most that budget's.
+`auto` under compile (`--levels`, 0: left out): memory levels from the compiled `none` step's estimated peak down to
+below the most frugal uniform plan's (bench.planner's spacing); at each, `auto`'s compiled plan
+(`trainer.estimate.compiled_plans`: each block profiled as inductor compiles it, one profile for all levels, each plan
+checked compiled whole), each distinct plan a row compiled, metered and timed with the others, set beside the fastest
+`memory_budget` and the fastest compiled uniform plan whose measured peaks are within the level.
 """
 
 from __future__ import annotations
@@ -39,13 +43,14 @@ from bench._readme import (
     publish,
     replace_block,
 )
-from bench.harness import BenchError, random_batch, spread
+from bench.harness import BenchError, budget_levels, random_batch, spread
 from trainer import precision as precision_
 from trainer.core import build
 from trainer.core import step as step_
 from trainer.core.schema import compose_config, describe_user_error
 from trainer.errors import UserError
 from trainer.formatting import MIB
+from trainer.planner import PlanResult
 from trainer.policies import build_policy
 
 START, END = "<!-- compiled-table:start -->", "<!-- compiled-table:end -->"
@@ -55,6 +60,7 @@ README = ROOT / "README.md"
 COMMAND = "python -m bench.compiled --write-docs"
 POLICIES = ("none", "selective", "op_sac", "torchtitan_sac", "full")
 BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
+LEVELS = 5
 
 
 @dataclass
@@ -125,6 +131,7 @@ def run(
     reps: int,
     budgets: Sequence[float],
     policies: Sequence[str] = POLICIES,
+    levels: int = LEVELS,
 ) -> dict[str, Any]:
     import torch._dynamo.config as dynamo_config
 
@@ -132,10 +139,15 @@ def run(
     base = [f"model={model}", "precision=32-true", "model.dropout=0.0", *overrides]
     rows = [Row(f"{p} {'compiled' if c else 'eager'}", p, c) for p in policies for c in (False, True)]
     rows += [Row(f"memory_budget {b:g}", {"name": "memory_budget", "budget": b}, True) for b in budgets]
+    marks: list[float] = []
+    plans: dict[float, Any] = {}
     # Every variant is a module of the same classes: past dynamo's recompile limit a frame would run eagerly.
     with dynamo_config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
         try:
             _estimate(rows, base)
+            if levels:
+                marks, plans, auto_rows = _auto_plans(rows, base, levels)  # est.: each plan's compiled whole
+                rows += auto_rows
         except UserError as e:
             raise BenchError(f"estimate: {describe_user_error(e)}") from None
         for row in rows:
@@ -154,10 +166,35 @@ def run(
         "shape": f"`{model}`, micro-batch {config.batch_size}×{config.seq_len} tokens",
         "rows": rows,
         "policies": list(policies),
+        "levels": marks,
+        "plans": plans,
         "reps": reps,
         "env": environment("cpu", "32-true"),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _auto_plans(
+    rows: Sequence[Row], base: Sequence[str], levels: int
+) -> tuple[list[float], dict[float, Any], list[Row]]:
+    """`policy=auto` under compile at `levels` memory levels, evenly spaced from the largest compiled uniform
+    estimate to 7 % below the smallest: one compiled profile plans every level; each distinct plan is a row
+    (`per_block` with auto's treatments, as the planning callback installs it), except a uniform plan the compiled
+    uniform rows already measure."""
+    from trainer.estimate import compiled_plans
+
+    uniform = {r.policy for r in rows if r.compiled and isinstance(r.policy, str)}
+    marks = budget_levels([r.est_total for r in rows if r.compiled and isinstance(r.policy, str)], levels)
+    auto = [*base, "trainer.compile=true", "policy=auto", f"policy.budget_mib={marks[0]}"]
+    plans = compiled_plans(compose_config(auto), marks)
+    by_plan: dict[tuple[str, ...], Row] = {}
+    for result in plans.values():
+        if not isinstance(result, PlanResult) or _uniform_row(result, uniform):
+            continue
+        if result.treatments not in by_plan:
+            policy = {"name": "per_block", "blocks": list(result.treatments)}
+            by_plan[result.treatments] = Row(f"auto {result.plan.describe()}", policy, True)
+    return marks, plans, list(by_plan.values())
 
 
 def table(out: dict[str, Any]) -> str:
@@ -198,7 +235,67 @@ def table(out: dict[str, Any]) -> str:
             f"| {r.label.split()[1]} | {r.activation / MIB:.2f} | {r.total / MIB:.2f} "
             f"| {r.ms:,.0f} ±{100 * spread(r.times):.0f}% | {them} |"
         )
+    if out["levels"]:
+        lines += ["", *_levels(out)]
     return "\n".join(lines)
+
+
+def _uniform_row(result: PlanResult, uniform: set[str]) -> str | None:
+    """The compiled uniform row's label where auto's plan is one treatment on every block that a row measures."""
+    treatments = set(result.treatments)
+    return f"{result.treatments[0]} compiled" if len(treatments) == 1 and treatments <= uniform else None
+
+
+def _cell(row: Row | None) -> str:
+    if row is None:
+        return "none fits | — | —"
+    name = row.label.removesuffix(" compiled")
+    return f"`{name}` | {row.total / MIB:.1f} | {row.ms:,.0f} ±{100 * spread(row.times):.0f}%"
+
+
+def _levels(out: dict[str, Any]) -> list[str]:
+    """`auto` under compile at each memory level beside the fastest `memory_budget` and the fastest compiled uniform
+    plan whose measured peaks are within it, and a sentence on whether `auto` was ever the slower."""
+    rows: dict[str, Row] = {r.label: r for r in out["rows"]}
+    budget_rows = [r for r in out["rows"] if r.label.startswith("memory_budget")]
+    uniform_rows = [rows[f"{p} compiled"] for p in out["policies"]]
+    lines = [
+        "| level MiB | `auto` plan (compiled) | est. MiB | measured MiB | step ms | fastest `memory_budget` within it "
+        "| its MiB | its ms | auto ÷ it | fastest compiled uniform within it | its MiB | its ms |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
+    verdicts, compared = [], 0
+    for level in out["levels"]:
+        result = out["plans"][level]
+        partitioner = min((r for r in budget_rows if r.total <= level * MIB), key=lambda r: r.ms, default=None)
+        uniform = min((r for r in uniform_rows if r.total <= level * MIB), key=lambda r: r.ms, default=None)
+        if not isinstance(result, PlanResult):
+            lines.append(f"| {level:g} | refused: {result} | | | | {_cell(partitioner)} | — | {_cell(uniform)} |")
+            continue
+        a = rows[_uniform_row(result, set(out["policies"])) or f"auto {result.plan.describe()}"]
+        ratio = "—"
+        if partitioner is not None:
+            compared += 1
+            ratio = f"{a.ms / partitioner.ms:.2f}"
+            if round(a.ms / partitioner.ms, 2) > 1:
+                inside = a.ms * (1 - spread(a.times)) <= partitioner.ms * (1 + spread(partitioner.times))
+                verdicts.append(
+                    f"{level:g} MiB: {a.ms / partitioner.ms:.2f}×, {'inside' if inside else 'outside'} the two "
+                    f"variants' noise (±{100 * spread(a.times):.0f} %, ±{100 * spread(partitioner.times):.0f} %)"
+                )
+        mark = "" if a.total <= level * MIB else " ⚠"
+        lines.append(
+            f"| {level:g} | `{result.plan.describe()}` | {result.solution.peak / MIB:.1f} | {a.total / MIB:.1f}{mark} "
+            f"| {a.ms:,.0f} ±{100 * spread(a.times):.0f}% | {_cell(partitioner)} | {ratio} | {_cell(uniform)} |"
+        )
+    if verdicts:
+        close = (
+            f"`auto` (compiled) was slower than the fastest `memory_budget` within the level at: {'; '.join(verdicts)}."
+        )
+    else:
+        close = f"At every level where both fit ({compared}), `auto` (compiled) was at most as slow as `memory_budget`."
+    above = any(" ⚠ |" in line for line in lines)
+    return [*lines, "", close + (" ⚠: measured above the level." if above else "")]
 
 
 def _predicted(out: dict[str, Any]) -> list[str]:
@@ -264,8 +361,9 @@ def header(outs: Sequence[dict[str, Any]], command: str) -> str:
         "reports "
         f"compiled), then timed over {outs[0]['reps']} rounds interleaved across variants (median ± half the IQR). "
         "model.dropout=0 throughout (`memory_budget` is refused with dropout below budget 1 on this torch). Beside "
-        "each budget stands the fastest compiled uniform policy that fits; `auto` under compile against the "
-        "partitioner is bench.planner's compiled half."
+        "each budget stands the fastest compiled uniform policy that fits. `auto` under trainer.compile=true is "
+        "planned once per memory level (each block profiled as inductor compiles it, the plan checked compiled "
+        "whole: est. MiB) and each of its plans compiled, metered and timed with the rest."
     )
 
 
@@ -276,11 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="timed steps per variant (median)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="the policies compared eager and compiled")
     ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="memory_budget's budgets")
+    ap.add_argument("--levels", type=int, default=LEVELS, help="memory levels `auto` plans at (0: no auto rows)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
     add_page_arguments(ap, BENCHMARKS_PAGE, f"the block between {START} and {END}")
     args = ap.parse_intermixed_args(argv)
     if args.reps < 1:
         ap.error("--reps must be ≥ 1")
+    if args.levels == 1 or args.levels < 0:
+        ap.error("--levels must be 0 (no auto rows) or at least 2")
     try:
         budgets = [float(b) for b in args.budgets.split(",")]
     except ValueError:
@@ -290,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     outs = []
     for model in args.models.split(","):
         try:
-            outs.append(run(model, args.overrides, args.reps, budgets, args.policies.split(",")))
+            outs.append(run(model, args.overrides, args.reps, budgets, args.policies.split(","), args.levels))
         except BenchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

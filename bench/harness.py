@@ -35,8 +35,10 @@ from trainer.core import build
 from trainer.core.module import DecoderModule
 from trainer.core.schema import Config, compose_config
 from trainer.core.step import StepMeter, bare_step, optimizers_of
+from trainer.formatting import MIB
 from trainer.loss import LossConfig
 from trainer.measure.time.flops import count_flops
+from trainer.planner import smallest_budget_mib
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy, build_policy
 from trainer.precision import plugin
 
@@ -314,6 +316,16 @@ def estimated(session: estimate.Session, variant: Variant) -> estimate.Estimate:
     """The estimator's figures for `variant` (a policy object of its own: policies keep per-model state)."""
     with quiet_policy_notices():
         return estimate.measure(session, variant.make_policy(), variant.loss)
+
+
+def budget_levels(peaks: Sequence[int], n: int) -> list[float]:
+    """`n` memory budgets (MiB, as the planner words them) evenly spaced from the largest peak, rounded up so a plan
+    of that peak fits it, down to 7 % below the smallest."""
+    top, bottom = max(peaks), int(min(peaks) * 0.93)
+    digits = 3 if top < 10 * MIB else 1
+    budgets = [round((top - (top - bottom) * k / (n - 1)) / MIB, digits) for k in range(n)]
+    budgets[0] = smallest_budget_mib(top)
+    return budgets
 
 
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:

@@ -24,9 +24,7 @@ batch of random tokens (bench/harness.py):
    `peak_total_mib`, the figure the budget bounds); time = median over `--reps` rounds interleaved across plans
    (order rotated), so load on a shared machine spreads over all plans alike.
 
-4. Compiled (bench/planner_compiled.py; `--no-compiled` leaves it out): on the same model, `auto` under
-   trainer.compile=true at several memory levels beside torch's budget partitioner (`memory_budget` at several
-   budgets) and the compiled uniform plans, each compiled as a run compiles it, metered and timed in one process.
+`auto` under trainer.compile=true beside torch's budget partitioner is bench.compiled's.
 
 `--write-docs` puts the tables between docs/benchmarks.md's planner-table markers, and the paragraph on how close
 both step-time sources came and whether `auto` ever lost to a uniform plan (`accuracy`) between its
@@ -45,19 +43,19 @@ from typing import Any
 
 import torch
 
-from bench._readme import BENCHMARKS_PAGE, add_page_arguments, environment_text, replace_block
+from bench._readme import BENCHMARKS_PAGE, CACHED_SPEED_HELP, add_page_arguments, environment_text, replace_block
 from bench.accuracy import WORDS, Point, rankings_text, sources_text
 from bench.harness import (
     BenchError,
     Harness,
     Variant,
     bench_config,
+    budget_levels,
     estimated,
     estimator_session,
     quiet_policy_notices,
     spread,
 )
-from bench.planner_compiled import compiled_header, compiled_table, run_compiled
 from trainer.core.module import param_groups
 from trainer.core.schema import describe_user_error
 from trainer.formatting import MIB, mib
@@ -81,7 +79,9 @@ ACCURACY_HEADING = "## How close: step time predicted vs measured"
 COMMAND = "python -m bench.planner --write-docs"
 
 
-def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu") -> dict[str, Any]:
+def run(
+    overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu", recalibrate: bool = True
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         config, env = bench_config(["policy=auto", "policy.budget_mib=1", *overrides], device)  # budgets: below
@@ -107,7 +107,7 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         prof = profile_model(model, h.batches()[0], auto, accum=config.accum, **measure)
     L = prof.n_layer
     predicted = {t: PeakModel(prof).evaluate([t] * L) for t in prof.treatments}
-    budgets = _budgets([p.peak for p in predicted.values()], n_budgets)
+    budgets = budget_levels([p.peak for p in predicted.values()], n_budgets)
 
     variants: dict[str, Variant] = {}
 
@@ -148,7 +148,7 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
 
     measured = _measure(h, variants, reps, again)
     profile_ms = {t: statistics.median(PeakModel(p).step_ms([t] * L) for p in profiles) for t in prof.treatments}
-    speed = speed_here(device, recalibrate=True)  # beside the measured steps
+    speed = speed_here(device, recalibrate=recalibrate)  # beside the measured steps, unless --cached-speed
     session = estimator_session(config, h.device)
     try:
         roofline = {t: estimated(session, variants[k]).step_time(speed).ms for t, k in uniform.items()}
@@ -174,16 +174,6 @@ def run(overrides: Sequence[str], n_budgets: int, reps: int, device: str = "cpu"
         "reps": reps,
         "seconds": time.perf_counter() - t0,
     }
-
-
-def _budgets(peaks: list[int], n: int) -> list[float]:
-    """Evenly spaced from the largest uniform prediction down to 7 % below the smallest (MiB, as the planner words
-    budgets)."""
-    top, bottom = max(peaks), int(min(peaks) * 0.93)
-    digits = 3 if top < 10 * MIB else 1
-    budgets = [round((top - (top - bottom) * k / (n - 1)) / MIB, digits) for k in range(n)]
-    budgets[0] = smallest_budget_mib(top)
-    return budgets
 
 
 def _measure(
@@ -344,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, default=7, help="how many budgets (≥ 6)")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per plan (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
-    ap.add_argument("--no-compiled", action="store_true", help="leave out the compiled half (auto vs memory_budget)")
-    ap.add_argument("--levels", type=int, default=5, help="memory levels of the compiled half (≥ 2)")
+    ap.add_argument("--cached-speed", action="store_true", help=CACHED_SPEED_HELP)
     add_page_arguments(
         ap,
         BENCHMARKS_PAGE,
@@ -356,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--budgets must be at least 6")
     if args.reps < 1:
         ap.error("--reps must be ≥ 1")
-    if args.levels < 2:
-        ap.error("--levels must be at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device is visible to torch {torch.__version__}", file=sys.stderr)
         return 2
@@ -371,19 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         overrides = ([f"model={model}"] if model else []) + list(args.overrides)
         try:
-            out = run(overrides, args.budgets, args.reps, args.device)
+            out = run(overrides, args.budgets, args.reps, args.device, recalibrate=not args.cached_speed)
         except BenchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         outs.append(out)
         text = header(out, command) + "\n\n" + tables(out)
-        if not args.no_compiled:
-            try:
-                compiled = run_compiled(overrides, args.levels, args.reps)
-            except BenchError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            text += "\n\n" + compiled_header(compiled) + "\n\n" + compiled_table(compiled)
         blocks.append(text if len(models) == 1 else f"**{model}**\n\n{text}")
     block = "\n\n".join(blocks)
     close = accuracy(outs, command)

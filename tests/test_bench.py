@@ -193,7 +193,7 @@ def test_the_policy_table_is_the_benchmarks_own_rows(micro_run: dict[str, Any]) 
 
 
 def test_planner_bench_plans_fit_their_budgets() -> None:
-    out = bench_planner.run(["model=micro", "seq_len=32", "precision=32-true"], n_budgets=6, reps=1)
+    out = bench_planner.run(["model=micro", "seq_len=32", "precision=32-true"], n_budgets=6, reps=1, recalibrate=False)
     rows = out["rows"]
     assert len(rows) == 6 and all("result" in r for r in rows)
     from trainer.policies import treatments
@@ -390,11 +390,21 @@ def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
     """bench.compiled on micro: eager and compiled `none` side by side (their activation peaks differ: the compiled
     one is the allocator's count of what inductor's code keeps), and memory_budget at 1 and 0 (0 recomputes what 1
     saves), every row timed; the estimator's figures beside each (its compiled peaks are the measured ones); the
-    table and the README's summary render with a ratio per figure."""
+    table and the README's summary render with a ratio per figure. `auto` under compile at two levels: each plan a
+    row of its own (a uniform `none` plan would be that row, not measured again), whose measured peak is the plan's
+    predicted one (the model compiled whole) and within its level."""
     from bench import compiled
+    from trainer.planner import PlanResult
 
-    out = compiled.run("micro", ["seq_len=32", "batch_size=2"], reps=2, budgets=[1.0, 0.0], policies=["none"])
+    out = compiled.run("micro", ["seq_len=32", "batch_size=2"], reps=2, budgets=[1.0, 0.0], policies=["none"], levels=2)
     rows = {r.label: r for r in out["rows"]}
+    plans = [out["plans"][level] for level in out["levels"]]
+    assert all(isinstance(p, PlanResult) for p in plans)
+    for level, plan in zip(out["levels"], plans, strict=True):
+        label = "none compiled" if set(plan.treatments) == {"none"} else f"auto {plan.plan.describe()}"
+        assert rows[label].total == plan.solution.peak <= level * MIB, label
+    for plan in plans:
+        rows.pop(f"auto {plan.plan.describe()}", None)
     assert list(rows) == ["none eager", "none compiled", "memory_budget 1", "memory_budget 0"]
     assert rows["none compiled"].activation != rows["none eager"].activation
     assert rows["memory_budget 0"].activation < rows["memory_budget 1"].activation
@@ -402,4 +412,5 @@ def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
     assert all(r.est_total == r.total for r in rows.values() if r.compiled)
     text = compiled.table(out)
     assert "| `none` |" in text and "| 0 |" in text and "fastest first: predicted" in text
+    assert all(f"| `{p.plan.describe()}` |" in text for p in plans) and "`auto` (compiled)" in text
     assert "| `micro` | `none` |" in compiled.summary([out], "python -m bench.compiled")
