@@ -5,7 +5,9 @@ of each (`trainer.measure.metrics.PREDICTIONS`). So every run a user makes, on a
 
 The policy and loss head are the ones the run trains with: under `policy=auto`, the plan its planner chose (this
 callback runs after it). Each rank predicts its own share (FSDP2 shards the state across the ranks). A model the
-estimator cannot run says why in one line (`prediction_note`) and the run goes on with the fields null. The RNG is
+estimator refuses (a `UserError`: e.g. an op fake tensors cannot run, named) says why in one line
+(`prediction_note`) and the run goes on with the fields null; any other failure is the estimator's bug: its
+traceback is logged, the note names it, and the run goes on too. The RNG is
 left as it was found, so the run's dropout masks do not depend on `measure.predict`.
 """
 
@@ -47,10 +49,13 @@ class PredictionCallback(L.Callback):
         try:
             session = open_session(self.config, pl_module.device.type)
             est = measure(session, policy, pl_module.loss_config)
-        except (UserError, ValueError, NotImplementedError, RuntimeError) as e:  # what the estimator raises on a model
-            # it cannot run (its one-line refusals, an op with no fake kernel): the prediction's failure, not the run's
+        except UserError as e:  # the estimator's declared refusals (an op fake tensors cannot run, named): one line
             self.note = f"not predicted: {one_line(e)}"
             log.warning(self.note)
+            return
+        except Exception as e:  # anything else is the estimator's bug: said with its traceback, and the run goes on
+            log.exception("the estimator failed on this run's configuration; the run goes on without its prediction")
+            self.note = f"not predicted: the estimator failed ({type(e).__name__}: {one_line(e)}); traceback in the log"
             return
         finally:
             if session is not None:

@@ -72,6 +72,29 @@ def test_a_model_the_estimator_cannot_run_is_one_line_and_the_run_goes_on(
     )
 
 
+def test_an_estimator_bug_is_a_logged_traceback_and_a_note_and_the_run_goes_on(
+    compose_cfg: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the estimator's declared refusals (a UserError) are quiet one-liners: a failure of any other kind is a
+    bug, so its traceback is logged and the note says the estimator failed, not that the model cannot be
+    estimated."""
+    import trainer.estimate as estimate
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("shape '[2, -1]' is invalid for input of size 7")
+
+    monkeypatch.setattr(estimate, "open_session", broken)
+    with caplog.at_level("ERROR", logger="callbacks.prediction"):
+        summary = train(compose_cfg("policy=full", *RUN), tmp_path / "broken")
+    assert summary["status"] == "completed" and summary[M.PREDICTED_ACTIVATION_PEAK_KEY] is None
+    assert summary[M.PREDICTION_NOTE] == (
+        "not predicted: the estimator failed (RuntimeError: shape '[2, -1]' is invalid for input of size 7); "
+        "traceback in the log"
+    )
+    (record,) = [r for r in caplog.records if r.name == "callbacks.prediction"]
+    assert record.exc_info is not None and "the estimator failed" in record.getMessage()
+
+
 def test_the_report_shows_estimate_and_error(compose_cfg: Any, tmp_path: Path) -> None:
     from trainer.report import build_report
 
