@@ -341,3 +341,14 @@ def test_a_cpu_times_each_op_at_its_shapes_once_and_keeps_it(tmp_path: Path) -> 
     assert clock("not traced", 0.0) is None
     assert OpClock(tmp_path / "other.json")(mm.signature, OpClock.MAX_S * 2) is None  # too long to time
     assert recipe(torch.ops.aten._local_scalar_dense.default, (torch.ones(()),), {}) is None
+
+
+def test_an_op_whose_workspace_cannot_be_measured_raises_naming_it() -> None:
+    """op_replay.inside_bytes measures a reduced-precision matmul's workspace on real tensors of its signature; an op
+    that fails there is an error naming that signature, not a workspace of 0 that would make the estimate low."""
+    from trainer.measure.time.op_replay import inside_bytes
+
+    a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(16, 2, dtype=torch.bfloat16)  # 8 ≠ 16: mm refuses
+    with pytest.raises(RuntimeError, match=r"workspace of aten\.mm\.default\(bfloat16\[4, 8\]\[8, 1\], bfloat16"):
+        inside_bytes(torch.ops.aten.mm.default, (a, b), {})
+    assert inside_bytes(torch.ops.aten.mm.default, (a, b.view(8, 4)), {}) >= 0  # the same op on shapes it takes

@@ -246,7 +246,16 @@ class OpClock:
                 reps = max(3, min(15, int(0.02 / max(first, 1e-6))))
                 it = iter(range(10**9))
                 t = _median_s(lambda: runs[next(it) % copies](), reps, warmup=copies)
-            except Exception:  # an op that does not run on made-up operands is priced by the roofline instead
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                # an op that rejects made-up operands (a value it reads, say) is priced by the roofline instead, said
+                # once: its None is kept on disk with the times, so this CPU does not try it again
+                log.warning(
+                    "%s does not run on made-up operands of its traced shapes (%s: %s); the step-time model prices "
+                    "it by the roofline",
+                    how.func,
+                    type(e).__name__,
+                    " ".join(str(e).split())[:200],
+                )
                 return None
         return max(t - self._call_s, t / 2)
 

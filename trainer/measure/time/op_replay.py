@@ -152,14 +152,18 @@ def inside_bytes(func: Any, args: Any, kwargs: Any) -> int:
     """The most bytes `func` holds inside itself beyond what it returns, on real CPU tensors of these shapes: its
     allocations while it runs, read from the allocator's reports (torch.profiler's memory events), less what is still
     allocated when it returns (its outputs). Measured once per signature (after a first run, which fills a kernel
-    library's own caches), the RNG left as it was; 0 for an op that is not replayed, does not run on made-up operands,
-    or whose operands hold over INSIDE_MAX_BYTES (a large model's estimate is not held up by its real matmuls)."""
+    library's own caches), the RNG left as it was; 0 for an op that is not replayed or whose operands hold over
+    INSIDE_MAX_BYTES (a large model's estimate is not held up by its real matmuls). An op that fails on its made-up
+    operands raises, naming its signature: a workspace left out would make the estimate low without a word."""
     replayed = recipe(func, args, kwargs)
     if replayed is None or replayed[1].nbytes > INSIDE_MAX_BYTES:
         return 0
     signature, how = replayed
     if signature not in _INSIDE:
-        _INSIDE[signature] = _measure_inside(how)
+        try:
+            _INSIDE[signature] = _measure_inside(how)
+        except Exception as e:
+            raise RuntimeError(f"measuring the workspace of {signature} on real tensors failed: {e}") from e
     return _INSIDE[signature]
 
 
@@ -169,14 +173,11 @@ def _measure_inside(how: Recipe) -> int:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with unset_fake_temporarily(), _disable_current_modes(), torch.random.fork_rng(devices=[]), torch.no_grad():
-        try:
-            run = how.build()
-            run()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = run()
-            del out
-        except Exception:
-            return 0
+        run = how.build()
+        run()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = run()
+        del out
     sizes: list[tuple[int, int]] = []
 
     def walk(node: Any) -> None:
