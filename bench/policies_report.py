@@ -113,28 +113,6 @@ def _time_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def rankings(result: dict[str, Any]) -> list[str]:
-    """Per model: the uniform treatments ordered by measured step time and by each prediction."""
-    lines = []
-    for i, section in enumerate(result["sections"]):
-        rows = [r for r in result["rows"] if r["section"] == i and r["kind"] == "policy" and r["name"] in UNIFORM]
-        if len(rows) < 2:
-            continue
-
-        def order(key: str, rows: list[dict[str, Any]] = rows) -> str:
-            if any(r.get(key) is None for r in rows):
-                return "n/a"
-            return " < ".join(r["name"] for r in sorted(rows, key=lambda r: r[key]))
-
-        measured, profile, roofline = order("step_ms"), order("pred_profile_ms"), order("pred_roofline_ms")
-        lines.append(
-            f"- {section['model']}: measured {measured}; profile {profile} "
-            f"({'same' if profile == measured else 'differs'}); roofline {roofline} "
-            f"({'same' if roofline == measured else 'differs'})"
-        )
-    return ["Ranking of the uniform treatments by step time:", "", *lines] if lines else []
-
-
 UNIFORM = ("none", "selective", "op_sac", "full")
 
 
@@ -304,15 +282,8 @@ def accuracy(result: dict[str, Any]) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    ranks = rankings(result)
-    return (
-        header(result)
-        + "\n\n"
-        + table(result)
-        + "\n\n"
-        + ("\n".join(ranks) + "\n\n" if ranks else "")
-        + targets_text(result["targets"])
-    )
+    """The header, the tables and the targets (how each source ranks the policies is `accuracy`'s paragraph)."""
+    return header(result) + "\n\n" + table(result) + "\n\n" + targets_text(result["targets"])
 
 
 def policy_table(result: dict[str, Any]) -> str:
