@@ -183,8 +183,9 @@ def _auto_plans(
     uniform rows already measure."""
     from trainer.estimate import compiled_plans
 
-    uniform = {r.policy for r in rows if r.compiled and isinstance(r.policy, str)}
-    marks = budget_levels([r.est_total for r in rows if r.compiled and isinstance(r.policy, str)], levels)
+    compiled_uniform = [r for r in rows if r.compiled and isinstance(r.policy, str)]
+    uniform = {r.policy for r in compiled_uniform}
+    marks = budget_levels([r.est_total for r in compiled_uniform], levels)
     auto = [*base, "trainer.compile=true", "policy=auto", f"policy.budget_mib={marks[0]}"]
     plans = compiled_plans(compose_config(auto), marks)
     by_plan: dict[tuple[str, ...], Row] = {}

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainer.errors import ConfigError
-from trainer.formatting import flops_text
+from trainer.formatting import flops_text, one_line
 from trainer.measure.gpus import Gpu, find_gpu, match_device
 from trainer.measure.time.flops import count_sac_decision
 from trainer.measure.time.op_replay import RECIPES, Recipe
@@ -254,7 +254,7 @@ class OpClock:
                     "it by the roofline",
                     how.func,
                     type(e).__name__,
-                    " ".join(str(e).split())[:200],
+                    one_line(e, 200),
                 )
                 return None
         return max(t - self._call_s, t / 2)
