@@ -1,22 +1,33 @@
-"""A tensor-parallel style the families' plans share, beside torch's own (`torch.distributed.tensor.parallel`).
+"""Tensor-parallel styles the families' plans share, beside torch's own (`torch.distributed.tensor.parallel`).
 
-    Replicated()   the module's parameters replicated on the tensor-parallel mesh, its computation whole on every
-                   rank: plain tensors in and out, DTensors inside
+    Replicated()          the module's parameters replicated on the tensor-parallel mesh, its computation whole on
+                          every rank: plain tensors in and out, DTensors inside
+    FusedColwise(parts)   torch's ColwiseParallel for a Linear whose output is `parts` projections side by side
+                          (GPT-2's fused query/key/value): each rank holds its share of every part, in order
 
 torch ships no style for a module that stays whole; torchtitan writes the same as `NoParallel` (for its MoE router).
 Without sequence parallelism the norms are such modules, and their weights still become DTensors on the tensor-
 parallel mesh: gradient-norm clipping and the fused optimizers need every parameter on one mesh (FSDP2 then puts
 them all on the same 2-D mesh).
+
+A fused projection's weight stacks its parts by output row, [q | k | v]; ColwiseParallel's contiguous split would
+give rank 0 all of q and part of k. Megatron stores the fused weight interleaved by head group instead, which would
+change the model's parameters (and GPT-2's checkpoints); FusedColwise keeps them and distributes the weight with
+DTensor's strided placement (`_StridedShard`, the one FSDP2 uses over a tensor-parallel shard), so each rank's local
+output is [q_r | k_r | v_r] and `full_tensor()`, checkpoints and FSDP2 all see the unsplit layout.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class Replicated(ParallelStyle):
@@ -35,3 +46,45 @@ class Replicated(ParallelStyle):
             return output.to_local() if isinstance(output, DTensor) else output
 
         return distribute_module(module, device_mesh, None, inputs_in, output_out)
+
+
+class FusedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear computing `parts` projections at once: every part split by output column, so
+    each rank's output is its share of each part, side by side (the caller splits it in `parts` equal chunks)."""
+
+    def __init__(self, parts: int, input_layouts: Any = None) -> None:
+        super().__init__(input_layouts=input_layouts)  # the output: always this rank's local share
+        self.parts = parts
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: torch.Tensor, device_mesh: Any
+    ) -> Any:
+        # Already each rank's share of every part (strided as the weight is; local where a bias was added):
+        # ColwiseParallel's redistribution to a contiguous Shard(-1) would move columns between the ranks and give
+        # rank 0 the whole first part.
+        return outputs.to_local() if use_local_output and isinstance(outputs, DTensor) else outputs
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        for param_name, param in module.named_parameters():
+            # The bias whole on every rank: a 1-D strided shard, which FSDP2 would split again by position, is no
+            # layout a DTensor can describe (the weight, 2-D, FSDP2 splits by column instead).
+            placement = _StridedShard(0, split_factor=self.parts) if param.ndim == 2 else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if getattr(module, "bias", None) is not None:
+            module.forward = functools.partial(_fused_linear, module, self.parts)
+        return module
+
+
+def _fused_linear(module: nn.Linear, parts: int, x: DTensor) -> torch.Tensor:
+    """The Linear's forward with its whole bias viewed as (parts, n) and split by its second dimension (this rank's
+    share of every part, laid out as the output's columns) and added to the local output. DTensor's own linear
+    would slice the bias inside the op and hand the whole bias a strided gradient, which FSDP2 must then gather by a
+    path torch cannot run on fake tensors (so the estimator could not); given the bias strided, it replicates the
+    whole computation instead."""
+    bias = module.bias.view(parts, -1).redistribute(placements=[Shard(1)]).to_local().reshape(-1)
+    return F.linear(x, module.weight).to_local() + bias

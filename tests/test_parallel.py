@@ -17,8 +17,14 @@ from trainer.core import build
 from trainer.core.schema import compose_config
 from trainer.errors import ConfigError
 
-# (sequence parallel, tied head, attention): the layouts the single-process comparison covers
-LAYOUTS = [(True, False, "eager"), (False, False, "sdpa"), (True, True, "sdpa")]
+# (family, sequence parallel, tied head, attention): the layouts the single-process comparison covers
+LAYOUTS = [
+    ("llama", True, False, "eager"),
+    ("llama", False, False, "sdpa"),
+    ("llama", True, True, "sdpa"),
+    ("gpt", True, True, "eager"),
+    ("gpt", False, False, "sdpa"),
+]
 # Every policy that runs without compile (memory_budget needs it, and TP refuses compile); auto is a planner's
 # choice among these treatments, run end to end below.
 POLICIES: list[dict[str, Any]] = [
@@ -35,14 +41,23 @@ POLICIES: list[dict[str, Any]] = [
 VOCAB, T, B = 64, 16, 2
 
 
-def _model(tie: bool, attention: str, dropout: float = 0.0, n_layer: int = 2) -> torch.nn.Module:
+def _model(tie: bool, attention: str, dropout: float = 0.0, n_layer: int = 2, family: str = "llama") -> torch.nn.Module:
+    from models.gpt import GPT, GPTConfig
     from models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
+    if family == "gpt":  # biases on: the fused projection's bias splits as its weight does
+        return GPT(GPTConfig(VOCAB, T, n_layer, 4, 32, dropout=dropout, tie_embeddings=tie, attention=attention))
     shape = dict(n_embd=32, n_head=4, n_kv_head=2, mlp_hidden=64)
     return Llama(
         LlamaConfig(VOCAB, T, n_layer, dropout=dropout, tie_embeddings=tie, attention=attention, **shape)  # type: ignore[arg-type]
     )
+
+
+def _embedding(model: Any, family: str) -> torch.nn.Module:
+    if family == "gpt":
+        return model.transformer.wte
+    return model.model.embed_tokens if family == "llama" else model.get_input_embeddings()
 
 
 def _hf_model(attention: str) -> torch.nn.Module:
@@ -94,21 +109,25 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         x, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
         report: dict[str, Any] = {"layouts": [], "policies": {}}
         # ours in every layout, and transformers' with its own plan (no SP: its plans carry none)
-        cases = [((sp, tie, attention), lambda t=tie, a=attention: _model(t, a)) for sp, tie, attention in LAYOUTS]
-        cases += [(("hf", False, a), lambda a=a: _hf_model(a)) for a in ("sdpa", "eager")]
+        cases = [
+            (layout, lambda f=f, t=t, a=a: _model(t, a, family=f)) for layout in LAYOUTS for f, _, t, a in [layout]
+        ]
+        cases += [(("hf", False, False, a), lambda a=a: _hf_model(a)) for a in ("sdpa", "eager")]
         for layout, build in cases:
             one_loss, one = _step(build(), x, y)
             m = build()
-            tensor.apply(m, mesh, layout[0] is True)
+            tensor.apply(m, mesh, layout[1])
             split_loss, split = _step(m, x, y)
-            embedding, head = m.get_input_embeddings() if layout[0] == "hf" else m.model.embed_tokens, m.lm_head
+            gpt = layout[0] == "gpt"
+            # query rows held: 2 of the 4 heads of size 8 (GPT's fused c_attn: of each of q, k and v)
+            attn = m.transformer.h[0].attn.c_attn if gpt else m.model.layers[0].self_attn.q_proj
             report["layouts"].append(
                 {
                     "layout": list(layout),
                     "loss": abs(split_loss - one_loss),
                     "grad": max((split[n] - g).abs().max().item() for n, g in one.items()),
-                    "tied": head.weight is embedding.weight,
-                    "local_heads": m.model.layers[0].self_attn.q_proj.weight.to_local().shape[0],
+                    "tied": m.lm_head.weight is _embedding(m, layout[0]).weight,
+                    "local_rows": attn.weight.to_local().shape[0] // (3 if gpt else 1),
                 }
             )
         ref: dict[str, torch.Tensor] = {}
@@ -139,8 +158,8 @@ def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tm
     assert reports[0] == reports[1]  # both ranks gathered the same whole gradients
     for case in reports[0]["layouts"]:
         assert case["loss"] <= 1e-6 and case["grad"] <= 1e-6, case
-        assert case["local_heads"] == 4 // 2 * 8  # q_proj rows: 2 of the 4 heads, head size 8
-        assert case["tied"] == (case["layout"][1] is True)  # the shared weight is one DTensor again
+        assert case["local_rows"] == 4 // 2 * 8
+        assert case["tied"] == case["layout"][2]  # the shared weight is one DTensor again
     assert reports[0]["policies"] == {"none": True, **{p["name"]: True for p in POLICIES}}
 
 
@@ -179,6 +198,54 @@ def test_fsdp2_by_tensor_parallel_run_on_four_processes_as_each_rank_predicted(t
     assert all(r["predicted_activation_peak_mib"] == r["activation_peak_mib"] for r in split["per_rank"])
 
 
+def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.parallel import tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        torch.manual_seed(1)
+        x, y = torch.randint(0, VOCAB, (2 * B, T)), torch.randint(0, VOCAB, (2 * B, T))
+        one = _model(True, "eager", family="gpt")
+        one_loss, one_grads = _step(one, x, y)
+        m = _model(True, "eager", family="gpt")
+        tensor.apply(m, mesh["tensor_parallel"], True)
+        for layer in m.transformer.h:
+            fully_shard(layer, mesh=mesh["data_parallel"], shard_placement_fn=tensor.fsdp_placement)
+        fully_shard(m, mesh=mesh["data_parallel"], shard_placement_fn=tensor.fsdp_placement)
+        whole = dict(one.named_parameters())
+        layout = [n for n, p in m.named_parameters() if not torch.equal(p.full_tensor(), whole[n])]
+        half = slice(B * mesh["data_parallel"].get_local_rank(), B * (mesh["data_parallel"].get_local_rank() + 1))
+        _, grads = _step(m, x[half], y[half])  # FSDP2 averages the two halves' gradients: the whole batch's
+        report = {
+            "misplaced": layout,
+            "grad": max((grads[n] - g).abs().max().item() for n, g in one_grads.items()),
+            "fused": [str(p) for p in m.transformer.h[0].attn.c_attn.weight.placements],
+        }
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_fused_projection_under_fsdp2_by_tensor_parallel_keeps_its_layout(tmp_path: Path) -> None:
+    """GPT's fused q/k/v split strided by TP and then by FSDP2 (by column, so no part is cut through): every
+    parameter's DTensor gathers back to the unsplit model's, and one step's gradients on a 2 × 2 mesh match one
+    process on the whole batch (within a reduction order)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(4, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=4)
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    for report in reports:
+        assert report["misplaced"] == [] and report["grad"] <= 1e-6, report
+    assert reports[0]["fused"] == ["S(1)", "_S(0, 3)"]  # FSDP2 by column, TP strided by row
+
+
 def _config(*overrides: str) -> Any:
     return compose_config(["model=llama-tiny", "trainer=fsdp2", "trainer.devices=4", *overrides])
 
@@ -208,7 +275,7 @@ def test_a_layout_that_cannot_run_is_one_line(overrides: list[str], says: str) -
         ),
         (["trainer.tensor_parallel=4", "model.n_kv_head=4", "model.vocab_size=250"], "does not divide vocab_size"),
         (["trainer.tensor_parallel=4", "model.n_kv_head=4", "seq_len=30"], "trainer.sequence_parallel=false"),
-        (["trainer.tensor_parallel=2", "model=micro", "seq_len=32"], "GPT has no tensor-parallel plan"),
+        (["trainer.tensor_parallel=4", "model=micro", "seq_len=32"], "does not divide model.n_head=2"),
     ],
 )
 def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: str) -> None:

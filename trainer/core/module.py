@@ -149,7 +149,9 @@ class DecoderModule(L.LightningModule):
             dp_mesh = mesh[names[0]] if mesh.ndim == 2 else mesh
             if mesh.ndim == 2 and mesh.size(1) > 1:
                 tensor.apply(self.model, mesh[names[1]], self.sequence_parallel)
-            kwargs = {"mp_policy": mp_policy(self.fsdp_param_dtype)} if self.fsdp_param_dtype is not None else {}
+            kwargs: dict[str, Any] = {"shard_placement_fn": tensor.fsdp_placement}
+            if self.fsdp_param_dtype is not None:
+                kwargs["mp_policy"] = mp_policy(self.fsdp_param_dtype)
             for layer in self.adapter.layers:
                 fully_shard(layer, mesh=dp_mesh, **kwargs)
             fully_shard(self.model, mesh=dp_mesh, **kwargs)

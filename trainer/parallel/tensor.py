@@ -4,6 +4,7 @@ it with torch's `parallelize_module`.
     check(adapter, t)                          # what t must divide, refused in one line before a step is taken
     apply(model, tp_mesh, sequence_parallel)   # the family's plan of torch ParallelStyles, on the tensor-parallel
                                                # dimension of the run's device mesh
+    fully_shard(..., shard_placement_fn=fsdp_placement)   # FSDP2 after it (a fused weight by column)
 
 Per layer, the attention's query/key/value and the MLP's gate/up projections are split by output column, the
 attention's output and the MLP's down projection by input row, so each rank holds n_head / t heads and 1 / t of the
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.errors import ConfigError
@@ -40,8 +43,8 @@ def check(adapter: DecoderAdapter, t: int, *, sequence_parallel: bool, seq_len: 
     if plan is None:
         raise ConfigError(
             f"trainer.tensor_parallel={t}: {type(adapter.model).__name__} has no tensor-parallel plan; use "
-            "trainer.tensor_parallel=1 (FSDP2 alone), or model=llama, or a Hugging Face model whose config has a "
-            "base_model_tp_plan"
+            "trainer.tensor_parallel=1 (FSDP2 alone), or a native family (model=gpt, model=llama), or a Hugging Face "
+            "model whose config has a base_model_tp_plan"
         )
     divides = dict(adapter.tensor_parallel_divisors())
     if sequence_parallel:
@@ -70,3 +73,12 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     if tied is not None and tied.weight is not head.weight:  # both split the (V, C) weight by vocabulary row, so one
         head.weight = tied.weight  # DTensor serves both again
     model.tensor_parallel_degree = tp_mesh.size()  # read by a family that calls the model differently when split
+
+
+def fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's `shard_placement_fn` after `apply`: a fused projection's weight, split strided by row
+    (models.tensor_parallel.FusedColwise), is sharded by column (dimension 1); every other parameter by row, the
+    default. FSDP2 would split each rank's rows [q_r | k_r | v_r] again by position, cutting through a part: the weight
+    would train right, but its DTensor layout (so `full_tensor()`, checkpoints and gradient checks) would not."""
+    placements = getattr(param, "placements", ())
+    return Shard(1) if any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements) else None
