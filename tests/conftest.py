@@ -57,15 +57,17 @@ def compose_cfg() -> Callable[..., DictConfig]:
 CLI_ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
-def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run train.py as a user would, in a fresh interpreter."""
+def run_cli(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run train.py as a user would, in a fresh interpreter (`env`: in place of CLI_ENV)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=CLI_ENV,
+        env=CLI_ENV if env is None else env,
     )
 
 

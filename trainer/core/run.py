@@ -171,6 +171,22 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
     return name
 
 
+def even_threads(t: TrainerConfig) -> None:
+    """One thread count on every rank of a run on several processes: Lightning's share of the cores (cores //
+    processes), set where the processes start, so the ranks it launches inherit it.
+
+    Lightning sets it itself, but in the launching process alone and after the others have started with torch's
+    default, and a CPU kernel's reduction order depends on its thread count: ranks computing the same replicated
+    tensor (the norms without sequence parallelism) would round differently and their replicas drift apart. A count
+    the user set (OMP_NUM_THREADS) is kept."""
+    processes = t.devices if isinstance(t.devices, int) else 1
+    if processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // processes)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def train(
     cfg: DictConfig | Config, run_dir: Path, callbacks: list[L.Callback] | None = None, keep_refused: bool = False
 ) -> dict[str, Any]:
@@ -241,6 +257,7 @@ class Run:
         # Events in the run folder itself: `tensorboard --logdir <sweep>` names each run by its job.
         self.logger = JobTensorBoardLogger(run_dir)
         write_tb_layout(self.logger.experiment, build.train_device(config))  # Custom Scalars for this device
+        even_threads(t)
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=config.accum,
