@@ -196,6 +196,43 @@ def test_korthikanti_table_2_at_gpt3_layer_shape(policy: str, mib: float) -> Non
     assert abs(est.kept_per_layer[0] / MIB - mib) < 0.05, est.kept_per_layer[0] / MIB
 
 
+S, H, A, TP = 2048, 12288, 96, 8  # GPT-3's layer (b = 1), split 8 ways as in the paper's Table 2
+SBH_MIB = S * H / MIB  # sbh bytes at b = 1: the paper's formulas count bytes with 16-bit activations
+# Table 2's per-rank terms with tensor parallelism t, and with sequence parallelism added, in units of sbh
+TABLE_2_TP = [
+    (False, "none", 10 + 24 / TP + 5 * A * S / (H * TP)),
+    (False, "selective", 10 + 24 / TP),
+    (False, "full", 2),
+    (True, "none", (34 + 5 * A * S / H) / TP),
+    (True, "selective", 34 / TP),
+    (True, "full", 2 / TP),
+]
+
+
+@pytest.mark.parametrize("sequence_parallel, policy, sbh", TABLE_2_TP)
+def test_korthikanti_table_2_with_tensor_and_sequence_parallelism(
+    sequence_parallel: bool, policy: str, sbh: float
+) -> None:
+    """One rank of TP 8 on fake tensors at GPT-3's layer shape keeps the paper's sbh(10 + 24/t + 5as/(ht)),
+    sbh(10 + 24/t) and 2sbh without SP, and sbh/t · (34 + 5as/h), 34sbh/t and 2sbh/t with it, plus two things the
+    paper's Megatron does not keep: the 4 MiB inverted causal mask (no recompute, as in Table 2 above) and, with
+    SP, the block input each column-split projection all-gathers and saves whole for its backward where Megatron
+    saves its sequence shard and gathers again (attention's and the MLP's: 2 · 2sbh(1 − 1/t))."""
+    config = compose_config(
+        GPT3_LAYER
+        + ["trainer=fsdp2", f"trainer.devices={TP}", f"trainer.tensor_parallel={TP}"]
+        + [f"trainer.sequence_parallel={sequence_parallel}"]
+    )
+    session = open_session(config, device="cuda")
+    try:
+        kept = measure(session, build_policy(policy)).kept_per_layer[0] / MIB
+    finally:
+        session.close()
+    mask = 4.0 if policy == "none" else 0.0
+    gathered = 4 * (1 - 1 / TP) * SBH_MIB if sequence_parallel and policy != "full" else 0.0
+    assert abs(kept - (sbh * SBH_MIB + mask + gathered)) < 0.05, (kept, sbh * SBH_MIB)
+
+
 def test_cuda_rules_translate_exactly_what_they_name(compose_cfg: Callable[..., Any]) -> None:
     """On a shape small enough to count by hand: each dropout mask drops from the input dtype to 1 byte."""
     config = validate(
