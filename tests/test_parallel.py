@@ -317,8 +317,8 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
 
 def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
     """One rank of TP 2 on fake tensors: the kept activations per layer shrink (half the heads, and with sequence
-    parallelism half the sequence of the norms and residual stream), parameters are half; the loss heads that read
-    the head's weight directly say why not, in one line."""
+    parallelism half the sequence of the norms and residual stream), parameters are half, and so are the FLOPs; the
+    loss heads that read the head's weight directly say why not, in one line."""
     from trainer.estimate import measure, open_session
     from trainer.loss import LossConfig
     from trainer.policies import build_policy
@@ -347,6 +347,9 @@ def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
     assert split.components["parameters"] == pytest.approx(alone.components["parameters"], rel=0.01)
     assert all(s < a for s, a in zip(split.kept_per_layer, alone.kept_per_layer, strict=True))
     assert split.activation_bytes < alone.activation_bytes
+    # every matmul split in two (the projections by column or row, attention by head, the head by vocabulary),
+    # counted on the rank's shards rather than on the DTensors' whole shapes
+    assert (2 * split.fwd_flops, 2 * split.bwd_flops) == (alone.fwd_flops, alone.bwd_flops)
     with pytest.raises(ValueError, match="loss=chunked reads the head's weight directly"):
         estimate("trainer.tensor_parallel=2", loss="chunked")
 

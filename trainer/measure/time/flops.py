@@ -119,6 +119,19 @@ def count_flops(fn: Callable[[], Any]) -> int:
     return counter.get_total_flops()
 
 
+def local_shards(tree: Any) -> Any:
+    """`tree` with each DTensor replaced by its local shard: what the rank's kernel reads and writes.
+
+    A dispatch mode sees a DTensor op before DTensor runs it, with the global shapes, and does not see the local op
+    it then runs (the mode is off while it handles the op); counted from those shapes, a tensor-parallel rank's
+    column- and row-split matmuls would cost the whole layer's FLOPs and bytes. The shapes of the shards are the
+    local op's where DTensor runs it without moving its inputs first, as the families' plans are made to."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(DTensor, lambda t: t._local_tensor, tree)
+
+
 class FlopTally(TorchDispatchMode):
     """Total FLOPs of the ops run under it, by torch's own formulas (`flop_counter.flop_registry`, the CPU SDPA
     ones above included).
@@ -137,5 +150,6 @@ class FlopTally(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = _fc.flop_registry.get(func._overloadpacket)
         if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+            local_args, local_kwargs, local_out = local_shards((args, kwargs, out))
+            self.total += formula(*local_args, **local_kwargs, out_val=local_out)
         return out

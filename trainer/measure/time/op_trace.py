@@ -30,7 +30,7 @@ import torch
 from torch.utils import flop_counter as _fc
 
 from trainer.measure.time.collectives import Collectives
-from trainer.measure.time.flops import FlopTally, sac_decisions
+from trainer.measure.time.flops import FlopTally, local_shards, sac_decisions
 from trainer.measure.time.op_replay import RECIPES, recipe
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,9 @@ class OpTrace(FlopTally):
         return out
 
     def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        """One op run: its FLOPs (torch's count) and its kind, FLOPs and bytes for the time model."""
+        """One op run: its FLOPs (torch's count) and its kind, FLOPs and bytes for the time model (a DTensor op's on
+        the rank's shards)."""
+        args, kwargs, out = local_shards((args, kwargs, out))
         formula = _fc.flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         self.total += flops  # the FLOPs figures keep torch's convention (causal attention counted whole)
