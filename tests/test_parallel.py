@@ -17,13 +17,13 @@ from trainer.core import build
 from trainer.core.schema import compose_config
 from trainer.errors import ConfigError
 
-# (family, sequence parallel, tied head, attention): the layouts the single-process comparison covers
+# (family, sequence parallel, tied head, attention, loss parallel): the layouts the single-process comparison covers
 LAYOUTS = [
-    ("llama", True, False, "eager"),
-    ("llama", False, False, "sdpa"),
-    ("llama", True, True, "sdpa"),
-    ("gpt", True, True, "eager"),
-    ("gpt", False, False, "sdpa"),
+    ("llama", True, False, "eager", True),
+    ("llama", False, False, "sdpa", False),
+    ("llama", True, True, "sdpa", False),
+    ("gpt", True, True, "eager", True),
+    ("gpt", False, False, "sdpa", True),
 ]
 # Every policy that runs without compile (memory_budget needs it, and TP refuses compile); auto is a planner's
 # choice among these treatments, run end to end below.
@@ -82,11 +82,13 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[flo
     """The loss and every parameter's whole gradient (a DTensor's gathered)."""
     from models.adapter import adapter_for
     from trainer.loss import LossConfig, head_loss
+    from trainer.parallel.tensor import loss_context, whole
 
     torch.manual_seed(7)  # the dropout masks
     adapter = adapter_for(model)
-    loss = head_loss(adapter.hidden(x), adapter.head, y, LossConfig())
-    loss.backward()
+    with loss_context(model):  # loss parallelism: the cross-entropy of split logits, and its backward
+        loss = whole(head_loss(adapter.hidden(x), adapter.head, y, LossConfig()))
+        loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
@@ -110,13 +112,13 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         report: dict[str, Any] = {"layouts": [], "policies": {}}
         # ours in every layout, and transformers' with its own plan (no SP: its plans carry none)
         cases = [
-            (layout, lambda f=f, t=t, a=a: _model(t, a, family=f)) for layout in LAYOUTS for f, _, t, a in [layout]
+            (layout, lambda f=f, t=t, a=a: _model(t, a, family=f)) for layout in LAYOUTS for f, _, t, a, _ in [layout]
         ]
-        cases += [(("hf", False, False, a), lambda a=a: _hf_model(a)) for a in ("sdpa", "eager")]
+        cases += [(("hf", False, False, a, True), lambda a=a: _hf_model(a)) for a in ("sdpa", "eager")]
         for layout, build in cases:
             one_loss, one = _step(build(), x, y)
             m = build()
-            tensor.apply(m, mesh, layout[1])
+            tensor.apply(m, mesh, layout[1], layout[4])
             split_loss, split = _step(m, x, y)
             gpt = layout[0] == "gpt"
             # query rows held: 2 of the 4 heads of size 8 (GPT's fused c_attn: of each of q, k and v)
@@ -128,13 +130,15 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     "grad": max((split[n] - g).abs().max().item() for n, g in one.items()),
                     "tied": m.lm_head.weight is _embedding(m, layout[0]).weight,
                     "local_rows": attn.weight.to_local().shape[0] // (3 if gpt else 1),
+                    # transformers' plans keep the head whole: no logits to split, whatever was asked
+                    "loss_parallel": m.loss_parallel == (layout[4] and layout[0] != "hf"),
                 }
             )
         ref: dict[str, torch.Tensor] = {}
-        for cfg in [{"name": "none"}, *POLICIES]:  # under TP + SP, with dropout: each policy against none's
+        for cfg in [{"name": "none"}, *POLICIES]:  # under TP + SP + loss parallelism, with dropout: against none's
             m = _model(False, "eager", dropout=0.1, n_layer=4)
             apply_policy(m, cfg)
-            tensor.apply(m, mesh, True)
+            tensor.apply(m, mesh, True, True)
             loss, grads = _step(m, x, y)
             grads["loss"] = torch.tensor(loss)
             ref = ref or grads
@@ -160,6 +164,7 @@ def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tm
         assert case["loss"] <= 1e-6 and case["grad"] <= 1e-6, case
         assert case["local_rows"] == 4 // 2 * 8
         assert case["tied"] == case["layout"][2]  # the shared weight is one DTensor again
+        assert case["loss_parallel"], case
     assert reports[0]["policies"] == {"none": True, **{p["name"]: True for p in POLICIES}}
 
 
@@ -318,7 +323,8 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
 def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
     """One rank of TP 2 on fake tensors: the kept activations per layer shrink (half the heads, and with sequence
     parallelism half the sequence of the norms and residual stream), parameters are half, and so are the FLOPs; the
-    loss heads that read the head's weight directly say why not, in one line."""
+    head holds less with loss parallelism than with its logits gathered; the loss heads that read the head's weight
+    directly say why not, in one line."""
     from trainer.estimate import measure, open_session
     from trainer.loss import LossConfig
     from trainer.policies import build_policy
@@ -350,6 +356,10 @@ def test_the_estimate_of_a_split_rank_keeps_what_the_split_divides() -> None:
     # every matmul split in two (the projections by column or row, attention by head, the head by vocabulary),
     # counted on the rank's shards rather than on the DTensors' whole shapes
     assert (2 * split.fwd_flops, 2 * split.bwd_flops) == (alone.fwd_flops, alone.bwd_flops)
+    # loss parallelism: the logits stay split by vocabulary through the cross-entropy, never whole on a rank (at a
+    # vocabulary large enough for the head to matter)
+    wide = ("trainer.tensor_parallel=2", "model.vocab_size=4096")
+    assert estimate(*wide).head_bytes < estimate(*wide, "trainer.loss_parallel=false").head_bytes
     with pytest.raises(ValueError, match="loss=chunked reads the head's weight directly"):
         estimate("trainer.tensor_parallel=2", loss="chunked")
 
@@ -358,7 +368,8 @@ def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> Non
     """One rank of TP 2 + SP sends, per layer, half of each of its 8 sequence all-gathers and reduce-scatters (4 in
     forward, their duals in backward) of a (B, T, C) activation, the embedding's and the final norm's pairs, half the
     head's gathered logits and each norm's weight gradient all-reduced; the step-time model puts those bytes on the
-    GPU link, exposed in full. Without TP there are none."""
+    GPU link, exposed in full. Without TP there are none. With loss parallelism the logits are not gathered (the
+    loss's own all-reduces, of one value per token, run inside torch's loss handlers, unseen by the op counter)."""
     from trainer.estimate import measure, open_session
     from trainer.measure.gpus import find_gpu
     from trainer.measure.time.roofline import gpu_speed
@@ -366,7 +377,7 @@ def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> Non
 
     B, S, C, V, L = 2, 32, 64, 256, 2
 
-    def work(tp: int) -> Any:
+    def work(tp: int, loss_parallel: bool = False) -> Any:
         config = compose_config(
             [
                 "model=llama-tiny",
@@ -380,6 +391,7 @@ def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> Non
                 "precision=32-true",
                 f"seq_len={S}",
                 f"batch_size={B}",
+                f"trainer.loss_parallel={loss_parallel}",
             ]
         )
         session = open_session(config, "cpu")
@@ -388,11 +400,13 @@ def test_tensor_parallel_collectives_are_costed_on_the_gpu_link_in_full() -> Non
         finally:
             session.close()
 
-    split, alone = work(2), work(1)
+    split, alone, split_loss = work(2), work(1), work(2, loss_parallel=True)
     activation = B * S * C * 4  # one (B, T, C) fp32 activation
     norms = (2 * L + 1) * C * 4  # each SP norm's weight gradient, all-reduced (a sequence shard's sum on each rank)
-    expected = L * 8 * activation // 2 + 4 * activation // 2 + B * S * V * 4 // 2 + norms
+    logits = B * S * V * 4 // 2  # the head's half of the (B·T, V) fp32 logits, all-gathered
+    expected = L * 8 * activation // 2 + 4 * activation // 2 + logits + norms
     assert 0 <= split.tensor_parallel_bytes - expected < 64, (split.tensor_parallel_bytes, expected)
+    assert split_loss.tensor_parallel_bytes == split.tensor_parallel_bytes - logits
     assert alone.tensor_parallel_bytes == 0
     speed = gpu_speed(find_gpu("H100-80GB"))
     t = speed.predict(split)  # FSDP2 over 1 rank (TP takes both devices): TP's collectives alone

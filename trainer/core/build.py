@@ -79,7 +79,7 @@ def module(
     )
     m.fsdp_param_dtype = precision_.fsdp2_param_dtype(precision or config.precision, config.trainer)
     t = config.trainer
-    m.sequence_parallel = t.sequence_parallel
+    m.sequence_parallel, m.loss_parallel = t.sequence_parallel, t.loss_parallel
     if t.tensor_parallel > 1:  # what the degree must divide in this model, before a process group exists
         from trainer.parallel import tensor
 

@@ -20,6 +20,7 @@ from trainer.core.schema import ConfigError, ModelConfig, OptimConfig
 from trainer.errors import PolicyError
 from trainer.loss import LossConfig, head_loss
 from trainer.measure import metrics as M
+from trainer.parallel import tensor as tensor_parallel
 from trainer.policies import Policy, apply_policy, build_policy, draws_dropout
 
 
@@ -77,8 +78,10 @@ class DecoderModule(L.LightningModule):
     # are all-gathered and used in their own dtype.
     fsdp_param_dtype: torch.dtype | None = None
     # Megatron's tensor parallelism (trainer/parallel/tensor.py), set by the builder from trainer.tensor_parallel /
-    # trainer.sequence_parallel; applied on the mesh's second (tensor-parallel) dimension when it has more than one.
+    # trainer.sequence_parallel / trainer.loss_parallel; applied on the mesh's second (tensor-parallel) dimension
+    # when it has more than one.
     sequence_parallel: bool = True
+    loss_parallel: bool = True
 
     def __init__(
         self,
@@ -140,7 +143,6 @@ class DecoderModule(L.LightningModule):
         if mesh is not None and not self._sharded:
             from torch.distributed.fsdp import fully_shard
 
-            from trainer.parallel import tensor
             from trainer.precision import mp_policy
 
             # By position: (data parallel, tensor parallel), as ModelParallelStrategy makes it and the estimator fakes
@@ -148,8 +150,8 @@ class DecoderModule(L.LightningModule):
             names = mesh.mesh_dim_names or ()
             dp_mesh = mesh[names[0]] if mesh.ndim == 2 else mesh
             if mesh.ndim == 2 and mesh.size(1) > 1:
-                tensor.apply(self.model, mesh[names[1]], self.sequence_parallel)
-            kwargs: dict[str, Any] = {"shard_placement_fn": tensor.fsdp_placement}
+                tensor_parallel.apply(self.model, mesh[names[1]], self.sequence_parallel, self.loss_parallel)
+            kwargs: dict[str, Any] = {"shard_placement_fn": tensor_parallel.fsdp_placement}
             if self.fsdp_param_dtype is not None:
                 kwargs["mp_policy"] = mp_policy(self.fsdp_param_dtype)
             for layer in self.adapter.layers:
@@ -167,11 +169,17 @@ class DecoderModule(L.LightningModule):
         head than the configured one, as the planner compares them)."""
         x, y = batch
         adapter = self.adapter
-        return head_loss(adapter.hidden(x), adapter.head, y, loss or self.loss_config, adapter.logit_transform)
+        with tensor_parallel.loss_context(self.model):
+            loss = head_loss(adapter.hidden(x), adapter.head, y, loss or self.loss_config, adapter.logit_transform)
+        return tensor_parallel.whole(loss)  # a loss computed on split logits: the same value on every rank
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        with tensor_parallel.loss_context(self.model):  # the split cross-entropy's backward runs under it too
+            super().backward(loss, *args, **kwargs)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V), for inference; training goes through `loss_of`."""
-        return self.adapter.logits(self.adapter.hidden(idx))
+        return tensor_parallel.whole(self.adapter.logits(self.adapter.hidden(idx)))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss_of(batch)

@@ -124,6 +124,9 @@ class TrainerConfig:
     # mesh); sequence parallelism also shards the norms and the residual stream by sequence, as torchtitan runs it.
     tensor_parallel: int = 1
     sequence_parallel: bool = True
+    # torchtitan's loss parallelism: the head's logits stay split by vocabulary through the cross-entropy (torch's
+    # loss_parallel), where a plan splits the head so; off, they are gathered whole on every rank first.
+    loss_parallel: bool = True
     compile: bool = False  # torch.compile the model (after the policy is applied)
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True

@@ -28,6 +28,7 @@ from torch import nn
 
 from trainer.measure.memory.allocator_events import AllocatorRecorder
 from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.parallel import tensor as tensor_parallel
 
 # Labels of what the tracker holds at a moment (StepMeter with regions on): the training state...
 PARAMETERS, LAST_GRADIENTS, OPTIMIZER_STATE, GRADIENTS = "parameters", "last_gradients", "optimizer_state", "gradients"
@@ -249,7 +250,8 @@ def bare_step(
             optimizer.zero_grad(set_to_none=True)
             if meter is not None:
                 meter.phase(HEAD)  # its backward starts with the head's
-        (closure_loss if scaler is None else scaler.scale(closure_loss)).backward()
+        with tensor_parallel.loss_context(module.model):  # as DecoderModule.backward runs it
+            (closure_loss if scaler is None else scaler.scale(closure_loss)).backward()
         del closure_loss
         if meter is not None and i < accum - 1:
             meter.close_window(module)  # on_train_batch_end of the first micro-batch

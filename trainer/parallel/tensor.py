@@ -2,9 +2,10 @@
 it with torch's `parallelize_module`.
 
     check(adapter, t)                          # what t must divide, refused in one line before a step is taken
-    apply(model, tp_mesh, sequence_parallel)   # the family's plan of torch ParallelStyles, on the tensor-parallel
-                                               # dimension of the run's device mesh
+    apply(model, tp_mesh, sequence_parallel, loss_parallel)   # the family's plan of torch ParallelStyles, on the
+                                               # tensor-parallel dimension of the run's device mesh
     fully_shard(..., shard_placement_fn=fsdp_placement)   # FSDP2 after it (a fused weight by column)
+    with loss_context(model): loss = ...; loss.backward()  # the cross-entropy on logits split by vocabulary
 
 Per layer, the attention's query/key/value and the MLP's gate/up projections are split by output column, the
 attention's output and the MLP's down projection by input row, so each rank holds n_head / t heads and 1 / t of the
@@ -17,17 +18,23 @@ parallelism, which those plans do not carry).
 torch's `parallelize_module` does the sharding; ours adds the refusals a user can act on, and re-ties an embedding
 shared with the head (parallelize_module distributes each module's parameter on its own, which would untie them).
 
-Known limitations: the head's logits are gathered whole on every rank (torchtitan's loss parallelism, which keeps
-them sharded by vocabulary, is not offered yet); loss=chunked and loss=fused read the head's weight directly and are
-refused; trainer.compile is refused.
+With loss parallelism (on by default, as torchtitan runs it) a head the plan splits by vocabulary keeps its logits
+split through the cross-entropy: torch's `loss_parallel` computes the softmax's max and sum across the ranks, so no
+rank holds the (tokens × vocabulary) logits whole, nor their fp32 copy. Off, or for a plan that keeps the head
+whole (transformers'), the logits are gathered whole on every rank first.
+
+Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused; trainer.compile is
+refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.adapter import DecoderAdapter, adapter_for
@@ -57,15 +64,20 @@ def check(adapter: DecoderAdapter, t: int, *, sequence_parallel: bool, seq_len: 
             )
 
 
-def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
-    """Shard `model` over `tp_mesh` with its family's plan (before FSDP2 and before compile, torchtitan's order)."""
-    from torch.distributed.tensor.parallel import parallelize_module
+def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+    """Shard `model` over `tp_mesh` with its family's plan (before FSDP2 and before compile, torchtitan's order);
+    `loss_parallel`: a head the plan splits by vocabulary hands its logits on split (see `loss_context`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     adapter = adapter_for(model)
     plan = adapter.tensor_parallel_plan(sequence_parallel)
     if plan is None:  # check() refused it before the run; a caller that skipped it still gets the one line
         raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan; use trainer.tensor_parallel=1")
     head = adapter.head
+    head_path = next(name for name, m in model.named_modules() if m is head)
+    split_loss = loss_parallel and type(plan.get(head_path)) is ColwiseParallel
+    if split_loss:  # torchtitan's head under loss parallelism: the logits a DTensor split by vocabulary
+        plan = {**plan, head_path: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     tied = next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is head.weight), None)
     for path, styles in plan.items():  # a tuple: several styles on one module, their hooks in that order
         for style in styles if isinstance(styles, tuple) else (styles,):
@@ -73,6 +85,23 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     if tied is not None and tied.weight is not head.weight:  # both split the (V, C) weight by vocabulary row, so one
         head.weight = tied.weight  # DTensor serves both again
     model.tensor_parallel_degree = tp_mesh.size()  # read by a family that calls the model differently when split
+    model.loss_parallel = split_loss  # read by loss_context
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """torch's `loss_parallel` for a model whose head `apply` split for it (around the loss and its backward both),
+    else nothing."""
+    if getattr(model, "loss_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor whole on every rank (the loss of split logits, already the same everywhere; the logits gathered); a
+    plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def fsdp_placement(param: nn.Parameter) -> Shard | None:

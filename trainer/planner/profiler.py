@@ -41,6 +41,7 @@ from trainer.measure.memory.tracker import LiveTensorTracker, local_tensors
 from trainer.measure.time.calibration import speed_for
 from trainer.measure.time.op_trace import OpTrace, trace
 from trainer.measure.time.roofline import Speed
+from trainer.parallel import tensor as tensor_parallel
 from trainer.planner.peak import Cost, Profile
 from trainer.policies import Plan, Policy, build_policy, install_plan, remove_policy
 
@@ -333,7 +334,8 @@ def _in_the_chain(run: _Run, prof: Profile, batch: Batch, loss_fn: Callable[...,
             def fwd_bwd() -> None:
                 with run.forward_context():
                     loss = loss_fn(batch)
-                loss.backward()
+                with tensor_parallel.loss_context(adapter.model):
+                    loss.backward()
 
             _, ms = run.timer(fwd_bwd)
         finally:
@@ -592,7 +594,8 @@ def _segmented(
         marks["embed_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[: marks["n_cut"]])
         marks["head_fwd_peak"] = max(p.live_bytes for p in tracker.timeline[marks["n_cut"] :])
         n1, level = len(tracker.timeline), tracker.live_bytes
-    _, head_ms = run.timer(loss.backward)
+    with tensor_parallel.loss_context(adapter.model):  # split logits' cross-entropy: its backward under it too
+        _, head_ms = run.timer(loss.backward)
     del loss
     if tracker:
         marks["head_bwd_peak"] = _peak_since(tracker, n1, level)
