@@ -1,7 +1,7 @@
 """The published GPU record, estimated: each published configuration the project can express, our estimate beside
 the published figure, with the ratio, the source and the caveats.
 
-    python -m bench.published                  # print the table (about a minute on 2 cores)
+    python -m bench.published                  # print the table (under a minute on 2 cores)
     python -m bench.published --write-docs     # also rewrite its blocks in docs/benchmarks.md and README.md
 
 Rows:
@@ -13,6 +13,12 @@ Rows:
   *reserved* bytes (torchtitan prints `reserved_bytes.all.peak`): set beside our replay of CUDA's caching
   allocator, and our tensors' peak (what `max_memory_allocated` would be) beside that. The compile and Float8 rows
   are listed, not estimated: the estimator's compiled step runs on one device (not FSDP2), and has no Float8.
+- torchtitan PR 2570 (graph-based SAC, 2026-03): Llama-3-8B on FSDP 4 × TP 2, no AC and eager per-op SAC, as its
+  log lines give them (memory: torchtitan's peak reserved; tps: a TP group's tokens per second over its GPUs). The
+  PR names the layout and the model only: the rest is torchtitan's own Llama-3-8B configuration at the release the
+  PR landed in (0.3.0, installed beside us: local batch 1 × 8192, bf16 parameters and fp32 reduce-scatter, SP on,
+  loss parallelism always on), its SAC save list as policy.version=0.3, and the 96 GB H100 (the log's memory
+  percentages put the device at 95.0 GiB) at both ends of its throughput as above.
 - Korthikanti et al. 2022, Table 4: one 22B GPT layer (h 6144, 64 heads, s 2048, micro-batch 4) on an A100, forward
   + backward time under no recompute, full recompute, selective recompute, and selective recompute with sequence
   parallelism, at tensor parallelism 8 with Megatron's fused kernels. Ours is one rank of the same TP 8 split
@@ -39,6 +45,7 @@ from trainer.formatting import markdown_table
 from trainer.measure.gpus import find_gpu
 from trainer.measure.time.op_trace import OpTrace
 from trainer.measure.time.roofline import Speed, gpu_speed
+from trainer.parallel import tensor as tensor_parallel
 from trainer.policies import apply_policy, build_policy
 
 COMMAND = "python -m bench.published"
@@ -64,6 +71,22 @@ TORCHTITAN_GPU = "H100-96GB"
 TORCHTITAN_LOW_TFLOPS = 835.0
 # (row, tokens/s per GPU, memory GiB): the published figures
 TORCHTITAN_TABLE = (("FSDP", 5762, 82.4), ("FSDP + compile", 6667, 77.0), ("FSDP + compile + Float8", 8532, 76.8))
+
+TITAN_TP = "torchtitan PR 2570"
+TITAN_TP_ROW = [
+    "model=llama3-8b",
+    "batch_size=1",
+    "seq_len=8192",
+    "trainer=fsdp2",
+    "trainer.devices=8",
+    "trainer.tensor_parallel=2",
+    "precision=bf16-mixed",
+]
+# (row, our policy overrides, tokens/s per GPU, memory GiB): the published figures
+TITAN_TP_TABLE = (
+    ("no AC", ("policy=none",), 4878, 49.65),
+    ("eager SAC", ("policy=torchtitan_sac", "policy.version=0.3"), 4463, 28.54),
+)
 
 KORTHIKANTI = "Korthikanti et al. 2022, Table 4"
 LAYER = [
@@ -101,8 +124,10 @@ class TitanRow:
     low_tokens_per_s: float  # at the low end of the part's throughput (TORCHTITAN_LOW_TFLOPS)
 
 
-def torchtitan_fsdp_row() -> TitanRow:
-    config = compose_config(TORCHTITAN_ROW)
+def torchtitan_row(overrides: list[str]) -> TitanRow:
+    """One torchtitan configuration on the 96 GB H100, at both ends of its throughput. Tokens per second per GPU as
+    torchtitan counts them: a tensor-parallel group's tokens over its GPUs (each rank of it runs the same tokens)."""
+    config = compose_config(overrides)
     gpu = find_gpu(TORCHTITAN_GPU)
     low = dataclasses.replace(
         gpu, tflops={k: v * TORCHTITAN_LOW_TFLOPS / gpu.tflops["bf16"] for k, v in gpu.tflops.items()}
@@ -114,14 +139,19 @@ def torchtitan_fsdp_row() -> TitanRow:
         session.close()
     t = est.step_time(gpu_speed(gpu))
     assert est.reserved_bytes is not None
+    tokens = est.tokens / config.trainer.tensor_parallel
     return TitanRow(
-        t.tokens_per_s(est.tokens),
+        t.tokens_per_s(tokens),
         t.ms,
         est.reserved_bytes,
         est.peak_bytes,
         t.exposed_collective_ms,
-        est.step_time(gpu_speed(low)).tokens_per_s(est.tokens),
+        est.step_time(gpu_speed(low)).tokens_per_s(tokens),
     )
+
+
+def torchtitan_fsdp_row() -> TitanRow:
+    return torchtitan_row(TORCHTITAN_ROW)
 
 
 def layer_ms(policy: str, sequence_parallel: bool, speed: Speed) -> tuple[float, float]:
@@ -137,7 +167,7 @@ def layer_ms(policy: str, sequence_parallel: bool, speed: Speed) -> tuple[float,
             with OpTrace() as forward:
                 with session.plugin.forward_context():
                     loss = module.loss_of(session.batches[0])
-            with OpTrace() as backward:
+            with OpTrace() as backward, tensor_parallel.loss_context(module.model):
                 loss.backward()
             times.append((speed.predict(forward.work).ms, speed.predict(backward.work).ms))
     return times[1][0] - times[0][0], times[1][1] - times[0][1]
@@ -146,32 +176,53 @@ def layer_ms(policy: str, sequence_parallel: bool, speed: Speed) -> tuple[float,
 def collect() -> dict[str, Any]:
     t0 = time.perf_counter()
     titan = torchtitan_fsdp_row()
+    titan_tp = {name: torchtitan_row([*TITAN_TP_ROW, *ours]) for name, ours, *_ in TITAN_TP_TABLE}
     a100 = gpu_speed(find_gpu(LAYER_GPU))
     layer = {(p, sp): layer_ms(p, sp, a100) for p, sp, *_ in KORTHIKANTI_TABLE}
-    return {"titan": titan, "layer": layer, "seconds": time.perf_counter() - t0}
+    return {"titan": titan, "titan_tp": titan_tp, "layer": layer, "seconds": time.perf_counter() - t0}
 
 
-def _parts(out: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(the torchtitan paragraph, its table, the Korthikanti paragraph, its table)."""
+def _titan_cells(name: str, tps: float, mem: float, row: TitanRow) -> list[object]:
+    return [
+        name,
+        f"{tps:,}",
+        f"{row.tokens_per_s:,.0f} ({row.tokens_per_s / tps:.2f}×); {row.low_tokens_per_s:,.0f} "
+        f"({row.low_tokens_per_s / tps:.2f}×) at {TORCHTITAN_LOW_TFLOPS:g} TFLOP/s",
+        f"{mem} GiB reserved",
+        f"{row.reserved_bytes / GIB:.1f} GiB ({row.reserved_bytes / GIB / mem:.0%})",
+        f"{row.allocated_bytes / GIB:.1f} GiB ({row.allocated_bytes / GIB / mem:.0%})",
+    ]
+
+
+TITAN_HEADER = (
+    "torchtitan row",
+    "published tokens/s/GPU",
+    "ours",
+    "published memory",
+    "ours reserved",
+    "ours allocated",
+)
+
+
+def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
+    """(the torchtitan paragraph, its table, the tensor-parallel paragraph, its table, the Korthikanti paragraph, its
+    table)."""
     titan: TitanRow = out["titan"]
     name, tps, mem = TORCHTITAN_TABLE[0]
-    rows: list[list[object]] = [
-        [
-            name,
-            f"{tps:,}",
-            f"{titan.tokens_per_s:,.0f} ({titan.tokens_per_s / tps:.2f}×); {titan.low_tokens_per_s:,.0f} "
-            f"({titan.low_tokens_per_s / tps:.2f}×) at {TORCHTITAN_LOW_TFLOPS:g} TFLOP/s",
-            f"{mem} GiB reserved",
-            f"{titan.reserved_bytes / GIB:.1f} GiB ({titan.reserved_bytes / GIB / mem:.0%})",
-            f"{titan.allocated_bytes / GIB:.1f} GiB ({titan.allocated_bytes / GIB / mem:.0%})",
-        ]
-    ]
+    rows: list[list[object]] = [_titan_cells(name, tps, mem, titan)]
     for name, tps, mem in TORCHTITAN_TABLE[1:]:
         rows.append([name, f"{tps:,}", "not estimated", f"{mem} GiB reserved", "—", "—"])
-    first = markdown_table(
-        ("torchtitan row", "published tokens/s/GPU", "ours", "published memory", "ours reserved", "ours allocated"),
-        rows,
-        "lrrrrr",
+    first = markdown_table(TITAN_HEADER, rows, "lrrrrr")
+    tp_rows = [_titan_cells(n, tps, mem, out["titan_tp"][n]) for n, _, tps, mem in TITAN_TP_TABLE]
+    tp_table = markdown_table(TITAN_HEADER, tp_rows, "lrrrrr")
+    tp_text = (
+        f"{TITAN_TP}: Llama-3-8B on FSDP 4 × TP 2, as `python -m trainer.estimate {' '.join(TITAN_TP_ROW)} "
+        f"--gpu {TORCHTITAN_GPU}` (the PR names the layout only: local batch 1 × 8192, the precision, sequence and "
+        "loss parallelism are torchtitan 0.3.0's own Llama-3-8B configuration; eager SAC is `torchtitan_sac` with "
+        "0.3's save list). Tokens per second per GPU as torchtitan counts them, a tensor-parallel group's over its "
+        "two GPUs. Known apart: on this CPU-only torch the estimate runs the CPU's attention kernel, which "
+        "torchtitan's save list does not name, so our SAC recomputes attention where theirs saves the CUDA kernel's "
+        "output (less memory, more time in ours); their torch is of March 2026."
     )
     layer: dict[tuple[str, bool], tuple[float, float]] = out["layer"]
     both = {k: sum(t) for k, t in layer.items()}
@@ -214,22 +265,23 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str]:
         "softmax into one kernel and bias and GeLU into another; so it predicts more time than theirs measured, in "
         "forward and backward alike, and the ratios to `none` are what compare."
     )
-    return titan_text, first, layer_text, second
+    return titan_text, first, tp_text, tp_table, layer_text, second
 
 
 def render(out: dict[str, Any]) -> str:
     """The whole page block: sources, caveats and reasons, each table after its paragraph (docs/benchmarks.md)."""
-    titan_text, first, layer_text, second = _parts(out)
-    return f"{titan_text}\n\n{first}\n\n{layer_text}\n\n{second}"
+    return "\n\n".join(_parts(out))
 
 
 def summary(out: dict[str, Any]) -> str:
-    """The README's block: the two tables, each under one line naming its source."""
-    _, first, _, second = _parts(out)
+    """The README's block: the tables, each under one line naming its source."""
+    _, first, _, tp_table, _, second = _parts(out)
     return (
         f"Generated {dt.date.today().isoformat()} by `{COMMAND} --write-docs` (fake tensors: no GPU ran; sources, "
         f"caveats and reasons in [benchmarks](docs/benchmarks.md#against-the-published-record)). {TORCHTITAN}, "
         f"Llama-3.1-8B on 8 GPUs (ours: FSDP2's bf16 policy, torchtitan_sac, {TORCHTITAN_GPU}):\n\n{first}\n\n"
+        f"{TITAN_TP}, Llama-3-8B on FSDP 4 × TP 2 (ours: torchtitan 0.3.0's configuration, {TORCHTITAN_GPU}):\n\n"
+        f"{tp_table}\n\n"
         f"{KORTHIKANTI}, one 22B layer at TP 8, forward + backward per GPU (ours: eager, {LAYER_GPU}):\n\n{second}"
     )
 
