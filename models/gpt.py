@@ -151,58 +151,25 @@ class GPT(nn.Module):
         return self.transformer.h
 
     def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any]:
-        """Megatron's split of GPT: the fused query/key/value and the MLP's first projection by output column (each
-        of q, k and v split alike), both output projections by input row; with sequence parallelism the embeddings'
-        sum, the norms, the dropouts and the residual stream are sharded by sequence (dimension 1), each block's
-        input all-gathered where the projections need it whole. The token embedding splits by vocabulary; the
-        position table stays whole and each rank adds the rows of its own stretch of the sequence. The head splits
-        by vocabulary and gathers its logits whole. A module given a tuple takes its styles in order."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            PrepareModuleOutput,
-            RowwiseParallel,
-            SequenceParallel,
+        """Megatron's split of GPT (models/tensor_parallel.py: megatron_plan): the fused query/key/value (each of q,
+        k and v split alike) and the MLP's first projection by output column, both output projections by input
+        row; the position table added to the token embedding's output, each rank adding the rows of its own
+        stretch of the sequence under sequence parallelism."""
+        from models.tensor_parallel import megatron_plan
+
+        return megatron_plan(
+            sequence_parallel,
+            embedding="transformer.wte",
+            head="lm_head",
+            final_norm="transformer.ln_f",
+            layers="transformer.h",
+            norms=("ln_1", "ln_2"),
+            blocks={"attn": 0, "mlp": 0},
+            colwise=("mlp.c_fc",),
+            fused={"attn.c_attn": 3},
+            rowwise=("attn.c_proj", "mlp.c_proj"),
+            positions="transformer.wpe",
         )
-
-        from models.tensor_parallel import FusedColwise, Replicated
-
-        seq = Shard(1) if sequence_parallel else Replicate()
-        plan: dict[str, Any] = {
-            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
-        }
-        layer = {
-            "attn.c_attn": FusedColwise(3),
-            "attn.c_proj": RowwiseParallel(output_layouts=seq),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:
-            plan["transformer.wpe"] = (  # (T, C) positions: this rank's rows, as the token embedding's output
-                Replicated(),
-                PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
-            )
-            # The final hidden states gathered whole where the norm ends, as (B, T, C): the loss flattens them to
-            # (B·T, C) before the head, and a sequence-sharded tensor flattened so is only expressible strided.
-            plan["transformer.ln_f"] = (
-                SequenceParallel(),
-                PrepareModuleOutput(
-                    output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
-                ),
-            )
-            layer |= {
-                "ln_1": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "ln_2": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        else:  # the position table and the norms whole on every rank, their weights replicated on the mesh
-            plan |= {"transformer.wpe": Replicated(), "transformer.ln_f": Replicated()}
-            layer |= {"ln_1": Replicated(), "ln_2": Replicated()}
-        plan |= {f"transformer.h.*.{name}": style for name, style in layer.items()}
-        return plan
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

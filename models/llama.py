@@ -220,59 +220,22 @@ class Llama(nn.Module):
         return self.model.layers
 
     def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any]:
-        """Megatron's split as torchtitan writes it for its LLaMA: q/k/v and gate/up by output column, o and down
-        by input row; with sequence parallelism the embedding's output, the norms and the residual stream are
-        sharded by sequence (dimension 1) and each block's input is all-gathered where the projections need it
-        whole. The head splits by vocabulary and gathers its logits whole. A module given a tuple takes its styles
-        in order."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            PrepareModuleOutput,
-            RowwiseParallel,
-            SequenceParallel,
+        """Megatron's split as torchtitan writes it for its LLaMA (models/tensor_parallel.py: megatron_plan): q/k/v
+        and gate/up by output column, o and down by input row; the attention's rotary tables (its two other inputs)
+        whole on every rank."""
+        from models.tensor_parallel import megatron_plan
+
+        return megatron_plan(
+            sequence_parallel,
+            embedding="model.embed_tokens",
+            head="lm_head",
+            final_norm="model.norm",
+            layers="model.layers",
+            norms=("input_layernorm", "post_attention_layernorm"),
+            blocks={"self_attn": 2, "mlp": 0},
+            colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+            rowwise=("self_attn.o_proj", "mlp.down_proj"),
         )
-
-        from models.tensor_parallel import Replicated
-
-        seq = Shard(1) if sequence_parallel else Replicate()
-        plan: dict[str, Any] = {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
-        }
-        layer = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:
-            # The final hidden states gathered whole where the norm ends, as (B, T, C): the loss flattens them to
-            # (B·T, C) before the head, and a sequence-sharded tensor flattened so is only expressible strided.
-            plan["model.norm"] = (
-                SequenceParallel(),
-                PrepareModuleOutput(
-                    output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
-                ),
-            )
-            layer |= {
-                "input_layernorm": SequenceParallel(),
-                # (x, cos, sin): the rotary tables are whole on every rank and stay plain tensors
-                "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "post_attention_layernorm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        else:  # the norms run whole on every rank, their weights replicated on the mesh
-            plan["model.norm"] = Replicated()
-            layer |= {"input_layernorm": Replicated(), "post_attention_layernorm": Replicated()}
-        plan |= {f"model.layers.*.{name}": style for name, style in layer.items()}
-        return plan
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""

@@ -4,6 +4,8 @@
                           every rank: plain tensors in and out, DTensors inside
     FusedColwise(parts)   torch's ColwiseParallel for a Linear whose output is `parts` projections side by side
                           (GPT-2's fused query/key/value): each rank holds its share of every part, in order
+    megatron_plan(...)    Megatron's layout for a decoder, from the names of its modules: the plan a family hands
+                          `parallelize_module` (a family's plan is its data)
 
 torch ships no style for a module that stays whole; torchtitan writes the same as `NoParallel` (for its MoE router).
 Without sequence parallelism the norms are such modules, and their weights still become DTensors on the tensor-
@@ -88,3 +90,76 @@ def _fused_linear(module: nn.Linear, parts: int, x: DTensor) -> torch.Tensor:
     whole computation instead."""
     bias = module.bias.view(parts, -1).redistribute(placements=[Shard(1)]).to_local().reshape(-1)
     return F.linear(x, module.weight).to_local() + bias
+
+
+def megatron_plan(
+    sequence_parallel: bool,
+    *,
+    embedding: str,
+    head: str,
+    final_norm: str,
+    layers: str,
+    norms: tuple[str, ...],
+    blocks: dict[str, int],
+    colwise: tuple[str, ...],
+    rowwise: tuple[str, ...],
+    fused: dict[str, int] | None = None,
+    positions: str | None = None,
+) -> dict[str, Any]:
+    """Megatron's split of a decoder as torchtitan writes it for its LLaMA, from the family's module names.
+
+    Per layer (`layers`.*): the `colwise` projections split by output column (`fused` ones part by part), the
+    `rowwise` ones by input row, so each rank holds its share of the heads and of the MLP. With sequence parallelism
+    the embedding's output (`positions`: a position table added to it, its rows for this rank's stretch), the
+    `norms`, the final norm and the residual stream are sharded by sequence (dimension 1), and each of `blocks` (the
+    modules whose first input the projections need whole, mapped to how many other inputs they take, left plain)
+    all-gathers it; without, the norms and the position table run whole on every rank. The head splits by
+    vocabulary and gathers its logits whole (tensor.apply turns that into loss parallelism). A module given a tuple
+    takes its styles in order.
+
+        megatron_plan(sp, embedding="model.embed_tokens", head="lm_head", final_norm="model.norm",
+                      layers="model.layers", norms=("input_layernorm", "post_attention_layernorm"),
+                      blocks={"self_attn": 2, "mlp": 0}, colwise=("self_attn.q_proj", ...), rowwise=(...))
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        head: ColwiseParallel(output_layouts=Replicate()),
+    }
+    layer: dict[str, Any] = {name: ColwiseParallel() for name in colwise}
+    layer |= {name: FusedColwise(parts) for name, parts in (fused or {}).items()}
+    layer |= {name: RowwiseParallel(output_layouts=seq) for name in rowwise}
+    if sequence_parallel:
+        if positions is not None:  # (T, C): this rank's rows, as the embedding's output
+            plan[positions] = (
+                Replicated(),
+                PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+            )
+        # The final hidden states gathered whole where the norm ends, as (B, T, C): the loss flattens them to
+        # (B·T, C) before the head, and a sequence-sharded tensor flattened so is only expressible strided.
+        plan[final_norm] = (
+            SequenceParallel(),
+            PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False),
+        )
+        layer |= {name: SequenceParallel() for name in norms}
+        layer |= {
+            name: PrepareModuleInput(
+                input_layouts=(Shard(1), *[None] * others), desired_input_layouts=(Replicate(), *[None] * others)
+            )
+            for name, others in blocks.items()
+        }
+    else:  # the norms (and a position table) whole on every rank, their weights replicated on the mesh
+        plan[final_norm] = Replicated()
+        if positions is not None:
+            plan[positions] = Replicated()
+        layer |= {name: Replicated() for name in norms}
+    plan |= {f"{layers}.*.{name}": style for name, style in layer.items()}
+    return plan
