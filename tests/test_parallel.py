@@ -249,7 +249,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
         one = _model(True, "eager", family="gpt")
         one_loss, one_grads = _step(one, x, y)
         m = _model(True, "eager", family="gpt")
-        tensor.apply(m, mesh["tensor_parallel"], True)
+        tensor.apply(m, mesh["tensor_parallel"], True, True)
         for layer in m.transformer.h:
             fully_shard(layer, mesh=mesh["data_parallel"], shard_placement_fn=tensor.fsdp_placement)
         fully_shard(m, mesh=mesh["data_parallel"], shard_placement_fn=tensor.fsdp_placement)
@@ -317,6 +317,16 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
     config = _config(*overrides)
     with pytest.raises(ConfigError, match=says) as e:
         build.module(config, vocab_size=config.model.vocab_size or 256)
+    assert "\n" not in str(e.value)
+
+
+def test_the_check_refuses_a_tensor_parallel_layout_in_one_line() -> None:
+    """trainer.check runs in one process, whose one-rank group would run the model unsplit: refused, not a check of
+    the unsplit model passed off as one of the layout."""
+    from trainer.check import run_check
+
+    with pytest.raises(ConfigError, match="cannot split a layer over trainer.tensor_parallel=2") as e:
+        run_check(_config("trainer.tensor_parallel=2"))
     assert "\n" not in str(e.value)
 
 

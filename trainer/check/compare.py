@@ -148,6 +148,12 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     from trainer.policies import build_policy
 
     facts = build.resolve(config)  # device, precision (its refusals), HF config: settled as a run settles them
+    if facts.tensor_parallel > 1:  # its one-rank process group would run the model unsplit: a check of nothing
+        raise ConfigError(
+            f"trainer.check runs in one process and cannot split a layer over trainer.tensor_parallel="
+            f"{facts.tensor_parallel}; check the policy with trainer.tensor_parallel=1 (a policy composes with TP "
+            "as it is: its gradients under TP equal none's bitwise, tests/test_parallel.py)"
+        )
     device, chosen = torch.device(facts.device), facts.precision
     compiled = bool(config.trainer.compile)
     if tolerance is None:

@@ -366,7 +366,12 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
         seq = f", the norms and the residual stream 1/{tp} of the sequence" if config.trainer.sequence_parallel else ""
         notes.append(
             f"trainer.tensor_parallel={tp}: one rank of a tensor-parallel group of {tp} (a fake process group): each "
-            f"layer's heads and MLP split {tp} ways{seq}, the head's logits gathered whole"
+            f"layer's heads and MLP split {tp} ways{seq}, the head's logits "
+            + (
+                "split by vocabulary through the loss where the plan splits the head (loss parallelism)"
+                if config.trainer.loss_parallel
+                else "gathered whole"
+            )
         )
     if world > 1:
         notes.append(

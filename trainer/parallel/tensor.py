@@ -20,11 +20,12 @@ shared with the head (parallelize_module distributes each module's parameter on 
 
 With loss parallelism (on by default, as torchtitan runs it) a head the plan splits by vocabulary keeps its logits
 split through the cross-entropy: torch's `loss_parallel` computes the softmax's max and sum across the ranks, so no
-rank holds the (tokens × vocabulary) logits whole, nor their fp32 copy. Off, or for a plan that keeps the head
-whole (transformers'), the logits are gathered whole on every rank first.
+rank holds the (tokens × vocabulary) logits whole, nor their fp32 copy. Off, the logits are gathered whole on every
+rank first; a plan that keeps the head whole (transformers') computes them whole on every rank.
 
 Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused; trainer.compile is
-refused.
+refused; dropout draws the same masks on every rank of a group (each rank's stretch of the sequence, and its share
+of the heads, repeat the others' masks), where Megatron draws them from a per-rank generator in the split regions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.errors import ConfigError
@@ -64,7 +64,7 @@ def check(adapter: DecoderAdapter, t: int, *, sequence_parallel: bool, seq_len: 
             )
 
 
-def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` over `tp_mesh` with its family's plan (before FSDP2 and before compile, torchtitan's order);
     `loss_parallel`: a head the plan splits by vocabulary hands its logits on split (see `loss_context`)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -109,5 +109,7 @@ def fsdp_placement(param: nn.Parameter) -> Shard | None:
     (models.tensor_parallel.FusedColwise), is sharded by column (dimension 1); every other parameter by row, the
     default. FSDP2 would split each rank's rows [q_r | k_r | v_r] again by position, cutting through a part: the weight
     would train right, but its DTensor layout (so `full_tensor()`, checkpoints and gradient checks) would not."""
+    from torch.distributed.tensor.placement_types import _StridedShard  # private: torch names it nowhere public
+
     placements = getattr(param, "placements", ())
     return Shard(1) if any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements) else None
