@@ -320,13 +320,24 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
     assert "\n" not in str(e.value)
 
 
-def test_the_check_refuses_a_tensor_parallel_layout_in_one_line() -> None:
-    """trainer.check runs in one process, whose one-rank group would run the model unsplit: refused, not a check of
-    the unsplit model passed off as one of the layout."""
-    from trainer.check import run_check
+@pytest.mark.slow
+def test_the_check_runs_a_tensor_parallel_layout_over_its_ranks() -> None:
+    """trainer.check with trainer.tensor_parallel=2: two gloo processes, GPT split as the run splits it (fused q/k/v,
+    no SP, dropout on): the policy's gradients equal none's bitwise under the split, and the split none's match one
+    process's within the layout tolerance (dropout off for that one); a policy planned first is one line."""
+    from trainer.check import render, run_check
+    from trainer.check.compare import LAYOUT_TOLERANCE
 
-    with pytest.raises(ConfigError, match="cannot split a layer over trainer.tensor_parallel=2") as e:
-        run_check(_config("trainer.tensor_parallel=2"))
+    config = compose_config(
+        [*SMALL[:4], "trainer=fsdp2", "trainer.devices=2", "trainer.tensor_parallel=2"]
+        + ["trainer.sequence_parallel=false", "policy=selective", "precision=32-true"]
+    )
+    result = run_check(config, steps=2)
+    assert result.equal and result.exact, render(result)
+    assert result.layout is not None and result.layout.equal
+    assert 0 < max(d.max_rel for d in result.layout.groups.values()) < LAYOUT_TOLERANCE  # split: another order
+    with pytest.raises(ConfigError, match="plans nothing first") as e:
+        run_check(_config("trainer.tensor_parallel=2", "policy=auto", "policy.budget_mib=100"))
     assert "\n" not in str(e.value)
 
 

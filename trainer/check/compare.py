@@ -14,6 +14,12 @@ Exit 0 when everything is equal: bitwise, where the arithmetic is the same (reco
 the same inputs: CPU), or within `--tolerance` (relative) where it need not be (CUDA kernels that accumulate in a
 different order, torch.compile: default 1e-5 there). Exit 1 with one line naming the first differing parameter.
 Bad input: one line, exit 2.
+
+A tensor-parallel layout (`trainer.tensor_parallel=t`) is checked on the CPU over t gloo processes, one tensor-
+parallel group: the policy against `none`, both split as the run splits them (bitwise, as above), and `none` split
+against `none` in one process, unsplit, dropout off (a split region draws its masks on each rank's share), within
+LAYOUT_TOLERANCE: a row-split projection sums its partial products across the ranks, another order than one
+process's.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class CheckResult:
     first_failure: str | None = None
     own_loss: tuple[float, float] | None = None  # HF: (the project's loss, the model's own forward's), dropout off
     setting: str = ""  # how both sides ran (precision; FSDP2 sharding)
+    layout: CheckResult | None = None  # tensor parallelism: `none` split against `none` in one process
 
     @property
     def equal(self) -> bool:
@@ -80,6 +87,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 OWN_LOSS_TOLERANCE = 1e-5  # relative: the same cross-entropy summed in another order (fp32)
+LAYOUT_TOLERANCE = 1e-4  # relative, per parameter: a split layer's gradients against one process's (fp32)
 
 
 def own_loss(module: Any, batch: tuple[torch.Tensor, torch.Tensor], plugin: Any) -> tuple[float, float] | None:
@@ -148,12 +156,6 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     from trainer.policies import build_policy
 
     facts = build.resolve(config)  # device, precision (its refusals), HF config: settled as a run settles them
-    if facts.tensor_parallel > 1:  # its one-rank process group would run the model unsplit: a check of nothing
-        raise ConfigError(
-            f"trainer.check runs in one process and cannot split a layer over trainer.tensor_parallel="
-            f"{facts.tensor_parallel}; check the policy with trainer.tensor_parallel=1 (a policy composes with TP "
-            "as it is: its gradients under TP equal none's bitwise, tests/test_parallel.py)"
-        )
     device, chosen = torch.device(facts.device), facts.precision
     compiled = bool(config.trainer.compile)
     if tolerance is None:
@@ -161,6 +163,13 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     policy = build_policy(config.policy)
     if config.model.family != "hf" or policy.planned_first:  # refused before any data is read
         policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
+    if facts.tensor_parallel > 1 and facts.device != "cpu":
+        raise ConfigError("trainer.check splits a layer over gloo processes on the CPU; add trainer.accelerator=cpu")
+    if facts.tensor_parallel > 1 and policy.planned_first:
+        raise ConfigError(
+            "trainer.check with trainer.tensor_parallel plans nothing first: check the plan's treatments by name "
+            "(policy=per_block policy.blocks=[...]), or policy=auto with trainer.tensor_parallel=1"
+        )
     hf_config = facts.hf_config
     data = build.data_module(config)
     loader = data.train_dataloader()
@@ -170,6 +179,8 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
             f"{len(loader)}; lower --steps (or accum), or give a larger corpus"
         )
     batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * config.accum), strict=False)]
+    if facts.tensor_parallel > 1:
+        return _split_check(config, policy, facts, build.vocab(config, data), batches, steps, tolerance)
     step_precision = precision_.lightning_precision(chosen, config.trainer)
     plugin = precision_.plugin(step_precision, device.type)
     with _one_rank_mesh(device.type) if config.trainer.strategy == "fsdp2" else contextlib.nullcontext() as mesh:
@@ -215,8 +226,86 @@ def _one_rank_mesh(device_type: str) -> Iterator[Any]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A one-rank FSDP2 shard (DTensor) as the plain tensor it holds whole."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A DTensor (a one-rank FSDP2 shard, a tensor-parallel split) gathered whole, on every rank alike."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _split_check(
+    config: Any, policy: Any, facts: Any, vocab: int, batches: list[Any], steps: int, tolerance: float
+) -> CheckResult:
+    """The check on one tensor-parallel group: `t` gloo processes on this CPU, each building the modules as a rank
+    of the run builds them; rank 0's result."""
+    import pickle
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    t = facts.tensor_parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (t, tmp, config, policy.cfg, facts.precision, facts.hf_config, vocab, batches, steps, tolerance)
+        mp.spawn(_split_rank, args=args, nprocs=t)
+        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
+
+
+def _split_rank(
+    rank: int,
+    t: int,
+    tmp: str,
+    config: Any,
+    policy_cfg: Any,
+    chosen: str,
+    hf_config: Any,
+    vocab: int,
+    batches: list[Any],
+    steps: int,
+    tolerance: float,
+) -> None:
+    import os
+    import pickle
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.core import build
+    from trainer.policies import build_policy
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // t) if hasattr(os, "sched_getaffinity") else 1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=t)
+    try:
+        mesh = init_device_mesh("cpu", (1, t), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        plugin = precision_.plugin(precision_.lightning_precision(chosen, config.trainer), "cpu")
+        policy = build_policy(policy_cfg)
+
+        def build_one(p: Any, split: bool) -> Any:
+            torch.manual_seed(config.seed)
+            m = build.module(config, p, vocab_size=vocab, hf_config=hf_config, precision=chosen)
+            m = plugin.convert_module(m)
+            m.train()
+            if split:  # as a rank of the run: TP on the mesh's second dimension, FSDP2 (here of one) on its first
+                m._device_mesh = mesh
+                m.configure_model()
+            return m
+
+        # each comparison from fresh modules: a step moves the weights
+        ref, mod = build_one("none", True), build_one(policy, True)
+        out = _compare(config, policy, ref, mod, batches, plugin, steps, tolerance)
+        # dropout off for this one: a split region draws its masks on each rank's share, one process on the whole
+        one, split = build_one("none", False), build_one("none", True)
+        for dropout in (d for m in (one, split) for d in m.modules() if isinstance(d, torch.nn.Dropout)):
+            dropout.p = 0.0
+        out.layout = _compare(config, build_policy("none"), one, split, batches, plugin, steps, LAYOUT_TOLERANCE)
+        out.setting = (
+            f"precision {precision_.describe(chosen, config.trainer)}, both split over trainer.tensor_parallel={t} "
+            "(gloo processes on this CPU) as the run splits them"
+        )
+        if out.first_failure is None and out.layout.first_failure is not None:
+            out.first_failure = f"split against one process: {out.layout.first_failure}"
+        if rank == 0:
+            (Path(tmp) / "result.pkl").write_bytes(pickle.dumps(out))
+    finally:
+        dist.destroy_process_group()
 
 
 def _compare(
@@ -291,6 +380,14 @@ def render(result: CheckResult) -> str:
         lines.append(
             f"the training loss vs the model's own forward (labels=, dropout off): {ours:.6f} vs {theirs:.6f}"
             f" ({abs(ours - theirs) / max(abs(theirs), 1e-12):.2g} relative)"
+        )
+    if result.layout is not None:
+        worst = max((d.max_rel for d in result.layout.groups.values()), default=0.0)
+        loss = max((abs(a - b) for a, b in result.layout.losses), default=0.0)
+        lines.append(
+            f"none split against none in one process, unsplit, dropout off: max relative Δgrad {worst:.3g}, max "
+            f"|Δloss| {loss:.3g} (within {result.layout.tolerance:g} relative: a row-split projection sums across the "
+            "ranks)"
         )
     if result.equal:
         lines.append(f"equal: every loss and gradient under {result.policy} matches none ({how})")
