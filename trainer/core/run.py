@@ -172,19 +172,17 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
 
 
 def even_threads(t: TrainerConfig) -> None:
-    """One thread count on every rank of a run on several processes: Lightning's share of the cores (cores //
-    processes), set where the processes start, so the ranks it launches inherit it.
+    """One thread count on every rank of a run on several processes: Lightning's own setting (cores // processes,
+    kept where the user set OMP_NUM_THREADS), applied before the Trainer launches the other ranks, so they inherit it.
 
-    Lightning sets it itself, but in the launching process alone and after the others have started with torch's
+    Lightning applies it itself, but in the launching process alone and after the others have started with torch's
     default, and a CPU kernel's reduction order depends on its thread count: ranks computing the same replicated
-    tensor (the norms without sequence parallelism) would round differently and their replicas drift apart. A count
-    the user set (OMP_NUM_THREADS) is kept."""
+    tensor (the norms without sequence parallelism) would round differently and their replicas drift apart."""
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed  # private: no public name
+
     processes = t.devices if isinstance(t.devices, int) else 1
-    if processes > 1 and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // processes)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
+    if processes > 1:
+        _set_num_threads_if_needed(num_processes=processes)
 
 
 def train(

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 _aten = torch.ops.aten
 
@@ -126,9 +128,6 @@ def local_shards(tree: Any) -> Any:
     it then runs (the mode is off while it handles the op); counted from those shapes, a tensor-parallel rank's
     column- and row-split matmuls would cost the whole layer's FLOPs and bytes. The shapes of the shards are the
     local op's where DTensor runs it without moving its inputs first, as the families' plans are made to."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map_only
-
     return tree_map_only(DTensor, lambda t: t._local_tensor, tree)
 
 
