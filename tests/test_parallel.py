@@ -134,26 +134,28 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     "loss_parallel": m.loss_parallel == (layout[4] and layout[0] != "hf"),
                 }
             )
-        ref: dict[str, torch.Tensor] = {}
-        for cfg in [{"name": "none"}, *POLICIES]:  # under TP + SP + loss parallelism, with dropout: against none's
-            m = _model(False, "eager", dropout=0.1, n_layer=4)
-            apply_policy(m, cfg)
-            tensor.apply(m, mesh, True, True)
-            loss, grads = _step(m, x, y)
-            grads["loss"] = torch.tensor(loss)
-            ref = ref or grads
-            report["policies"][cfg["name"]] = all(torch.equal(grads[n], g) for n, g in ref.items())
+        for family in ("llama", "gpt"):  # under TP + SP + loss parallelism, with dropout: each against none's
+            ref: dict[str, torch.Tensor] = {}
+            for cfg in [{"name": "none"}, *POLICIES]:
+                m = _model(False, "eager", dropout=0.1, n_layer=4, family=family)
+                apply_policy(m, cfg)
+                tensor.apply(m, mesh, True, True)
+                loss, grads = _step(m, x, y)
+                grads["loss"] = torch.tensor(loss)
+                ref = ref or grads
+                report["policies"][f"{family} {cfg['name']}"] = all(torch.equal(grads[n], g) for n, g in ref.items())
         Path(out, f"{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path: Path) -> None:
+def test_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path: Path) -> None:
     """Two gloo ranks, each holding half the heads and half the MLP: the loss and every gradient match one process
     (not bitwise: the row-split projections sum their partial products across the ranks, another order), with and
-    without sequence parallelism, with a tied head, eager and sdpa. Under TP every policy's gradients equal none's
-    bitwise, dropout on (recompute replays the same masks and the same collectives)."""
+    without sequence parallelism, with a tied head, eager and sdpa, LLaMA, GPT and transformers' Llama. Under TP
+    every policy's gradients equal none's bitwise, LLaMA's and GPT's, dropout on (recompute replays the same masks
+    and the same collectives)."""
     import torch.multiprocessing as mp
 
     store = tempfile.mktemp(dir=tmp_path)
@@ -165,7 +167,8 @@ def test_llama_split_two_ways_trains_as_one_process_and_every_policy_composes(tm
         assert case["local_rows"] == 4 // 2 * 8
         assert case["tied"] == case["layout"][2]  # the shared weight is one DTensor again
         assert case["loss_parallel"], case
-    assert reports[0]["policies"] == {"none": True, **{p["name"]: True for p in POLICIES}}
+    names = ["none", *(p["name"] for p in POLICIES)]
+    assert reports[0]["policies"] == {f"{family} {n}": True for family in ("llama", "gpt") for n in names}
 
 
 @pytest.mark.slow
@@ -328,7 +331,8 @@ def test_a_model_that_cannot_be_split_is_one_line(overrides: list[str], says: st
 def test_the_check_runs_a_tensor_parallel_layout_over_its_ranks() -> None:
     """trainer.check with trainer.tensor_parallel=2: two gloo processes, GPT split as the run splits it (fused q/k/v,
     no SP, dropout on): the policy's gradients equal none's bitwise under the split, and the split none's match one
-    process's within the layout tolerance (dropout off for that one); a policy planned first is one line."""
+    process's within the layout tolerance (dropout off for that one); a policy planned first, and a degree the model
+    cannot be split by, are one line."""
     from trainer.check import render, run_check
     from trainer.check.compare import LAYOUT_TOLERANCE
 
@@ -342,6 +346,10 @@ def test_the_check_runs_a_tensor_parallel_layout_over_its_ranks() -> None:
     assert 0 < max(d.max_rel for d in result.layout.groups.values()) < LAYOUT_TOLERANCE  # split: another order
     with pytest.raises(ConfigError, match="plans nothing first") as e:
         run_check(_config("trainer.tensor_parallel=2", "policy=auto", "policy.budget_mib=100"))
+    assert "\n" not in str(e.value)
+    # a degree the model cannot be split by, refused on every rank before any collective: one line here too
+    with pytest.raises(ConfigError, match="does not divide model.n_head=2") as e:
+        run_check(compose_config([*SMALL[:4], "trainer=fsdp2", "trainer.devices=4", "trainer.tensor_parallel=4"]))
     assert "\n" not in str(e.value)
 
 
