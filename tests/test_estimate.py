@@ -557,3 +557,24 @@ def test_a_compile_time_policy_is_not_estimated_eager_and_says_why(capsys: pytes
     assert main([*overrides, "policy=memory_budget"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "estimated under trainer.compile=true" in err[0], err
+
+
+def test_the_fake_collective_wait_is_the_estimates_alone() -> None:
+    """Inside the estimate's kernel rules a collective's fake wait hands back the tensor it waited on (the run's
+    kernel does); after them torch's own fake rule runs again, so a later fake trace of a collective (dynamo tracing
+    a tensor-parallel step after the run's own estimate) still works."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.measure.fake.kernels import cpu_kernel_rules
+
+    def wait() -> tuple[bool, tuple[int, ...]]:
+        with FakeTensorMode():
+            x = torch.empty(4, 3)
+            out = torch.ops._c10d_functional.wait_tensor(x)
+            return out is x, tuple(out.shape)
+
+    assert wait() == (False, (4, 3))
+    with cpu_kernel_rules():
+        assert wait() == (True, (4, 3))
+    assert wait() == (False, (4, 3))  # failed with an empty fake-impl holder while the rule was a library's

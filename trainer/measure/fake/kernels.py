@@ -97,13 +97,23 @@ def wait_tensor_fake(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def cpu_kernel_rules() -> Iterator[None]:
-    """The rules above, for this context only (torch.library fake registrations, removed on exit)."""
+    """The rules above, for fake tensors in this context only.
+
+    Each rule is put in the operator's fake-impl holder, which FakeTensorMode consults before an op's meta kernel, and
+    taken out on exit. `torch.library.register_fake` would also install a Meta kernel, and removing its library does
+    not give `wait_tensor` back the Meta kernel it had: every later fake run of a collective (dynamo tracing a
+    tensor-parallel step after the run's own estimate) would fail with an empty holder.
+    """
     # Needed: torch's _grouped_mm meta kernel is CUDA's (bf16 only), so an fp32 MoE fails on fake tensors, not on CPU.
-    libs = [torch.library.Library("aten", "FRAGMENT"), torch.library.Library("_c10d_functional", "FRAGMENT")]
+    from torch._library.simple_registry import singleton
+    from torch._library.utils import Kernel
+
+    rules = {"aten::_grouped_mm": grouped_mm_cpu_fake, "_c10d_functional::wait_tensor": wait_tensor_fake}
+    added = [(singleton.find(name).fake_impl.kernels, Kernel(fn, __name__)) for name, fn in rules.items()]
+    for kernels, kernel in added:
+        kernels.append(kernel)
     try:
-        torch.library.register_fake("aten::_grouped_mm", grouped_mm_cpu_fake, lib=libs[0])
-        torch.library.register_fake("_c10d_functional::wait_tensor", wait_tensor_fake, lib=libs[1])
         yield
     finally:
-        for lib in libs:
-            lib._destroy()
+        for kernels, kernel in added:
+            kernels.remove(kernel)
