@@ -96,6 +96,31 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[flo
     return loss.item(), grads
 
 
+def _dropout_masks(model: torch.nn.Module, mesh: Any, sequence_parallel: bool, x: torch.Tensor) -> dict[str, str]:
+    """Each dropout's mask in one forward of the split model, as a digest of where it zeroed."""
+    import hashlib
+
+    from models.adapter import adapter_for
+    from trainer.parallel import tensor
+
+    masks: dict[str, str] = {}
+
+    def keep(name: str) -> Any:
+        def hook(module: torch.nn.Module, inputs: Any, out: torch.Tensor) -> None:
+            zeros = (out.to_local() if hasattr(out, "to_local") else out) == 0
+            masks[name] = hashlib.sha256(zeros.numpy().tobytes()).hexdigest()
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(keep(name))
+    tensor.apply(model, mesh, sequence_parallel, True)
+    torch.manual_seed(7)
+    adapter_for(model).hidden(x)
+    return masks
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,6 +159,11 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     "loss_parallel": m.loss_parallel == (layout[4] and layout[0] != "hf"),
                 }
             )
+        report["masks"] = {
+            f"{family} sp={sp}": _dropout_masks(_model(False, "eager", dropout=0.5, family=family), mesh, sp, x)
+            for family in ("llama", "gpt")
+            for sp in (True, False)
+        }
         for family in ("llama", "gpt"):  # under TP + SP + loss parallelism, with dropout: each against none's
             ref: dict[str, torch.Tensor] = {}
             for cfg in [{"name": "none"}, *POLICIES]:
@@ -155,13 +185,21 @@ def test_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path
     (not bitwise: the row-split projections sum their partial products across the ranks, another order), with and
     without sequence parallelism, with a tied head, eager and sdpa, LLaMA, GPT and transformers' Llama. Under TP
     every policy's gradients equal none's bitwise, LLaMA's and GPT's, dropout on (recompute replays the same masks
-    and the same collectives)."""
+    and the same collectives). With sequence parallelism the two ranks draw their own dropout masks (each holds its
+    own stretch of the sequence and its own heads), without it the same ones where both hold the whole activations."""
     import torch.multiprocessing as mp
 
     store = tempfile.mktemp(dir=tmp_path)
     mp.spawn(_worker, args=(2, store, str(tmp_path)), nprocs=2)
     reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    masks = [r.pop("masks") for r in reports]
     assert reports[0] == reports[1]  # both ranks gathered the same whole gradients
+    for family in ("llama", "gpt"):
+        split, whole = (masks[0][f"{family} sp={sp}"] for sp in (True, False))
+        assert len(split) == 2 * 2 + (family == "gpt") * 3, split  # every dropout ran (GPT: embedding, MLP)
+        assert all(masks[1][f"{family} sp=True"][n] != m for n, m in split.items()), family
+        replicated = [n for n in whole if "attn_dropout" not in n]  # the residual stream, whole on each rank
+        assert replicated and all(masks[1][f"{family} sp=False"][n] == whole[n] for n in replicated), family
     for case in reports[0]["layouts"]:
         assert case["loss"] <= 1e-6 and case["grad"] <= 1e-6, case
         assert case["local_rows"] == 4 // 2 * 8

@@ -24,13 +24,18 @@ rank holds the (tokens × vocabulary) logits whole, nor their fp32 copy. Off, th
 rank first; a plan that keeps the head whole (transformers') computes them whole on every rank.
 
 Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused; trainer.compile is
-refused; dropout draws the same masks on every rank of a group (each rank's stretch of the sequence, and its share
-of the heads, repeat the others' masks), where Megatron draws them from a per-rank generator in the split regions.
+refused. With sequence parallelism every dropout acts on a rank's own share and draws from a stream forked per rank
+(Megatron's per-rank generator); without it the residual dropouts act on whole, replicated activations and must draw
+the same masks on every rank, and the attention's dropout, on the rank's heads, draws them too (not yet forked).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +91,36 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool, loss_parallel
         head.weight = tied.weight  # DTensor serves both again
     model.tensor_parallel_degree = tp_mesh.size()  # read by a family that calls the model differently when split
     model.loss_parallel = split_loss  # read by loss_context
+    if sequence_parallel:  # every dropout then acts on this rank's share: its masks drawn from the rank's own stream
+        model.forward = functools.partial(_on_rank_stream, model.forward, tp_mesh.get_local_rank(), tp_mesh.device_type)
+
+
+def _seed(state: torch.Tensor, salt: bytes) -> int:
+    # The generator's state read from its memory: a tensor op (numpy(), tolist()) under the estimate's fake tensors
+    # would refuse a real tensor.
+    data = ctypes.string_at(state.data_ptr(), state.numel())
+    return int.from_bytes(hashlib.blake2b(data + salt, digest_size=8).digest(), "little") >> 1
+
+
+def _on_rank_stream(forward: Callable[..., Any], rank: int, device_type: str, *args: Any, **kwargs: Any) -> Any:
+    """`forward` with the random stream forked for this rank, as Megatron's per-rank generator does: under sequence
+    parallelism every dropout sits where a rank holds its own share (its stretch of the sequence, its heads), so
+    the ranks of a group, which share a seed, must not draw the same masks. The rank's seed is derived from the
+    shared stream's state, which is then reseeded from it, the same on every rank; a checkpoint inside `forward`
+    stashes the forked state it meets and its recompute replays the same masks. torch's DTensor RNG tracker does the
+    like for random ops on DTensors, on CUDA alone; these dropouts run on plain local shards, on any device."""
+    if device_type == "cpu":
+        gen = torch.default_generator
+    else:
+        module = torch.get_device_module(device_type)
+        gen = module.default_generators[module.current_device()]
+    # Seeds, not torch.random.fork_rng: restoring a saved state runs an op, which fake tensors (the estimate) refuse.
+    state = gen.get_state()
+    gen.manual_seed(_seed(state, rank.to_bytes(4, "little")))
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        gen.manual_seed(_seed(state, b"shared"))  # the shared stream moves on, alike on every rank
 
 
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
