@@ -84,8 +84,8 @@ def _measured(config_overrides: list[str], policy: Any, counter: CpuAllocationCo
     figures = meter.end(module)
     out = {"activation": figures.activation_bytes, "total": figures.total_bytes}
     if counter is not None:
-        grads = [p.grad.untyped_storage().data_ptr() for p in module.parameters() if p.grad is not None]
-        rec = counter.stop({"window_end": grads})
+        grads = [p.grad for p in module.parameters()]
+        rec = counter.stop({"window_end": [g.untyped_storage().data_ptr() for g in grads if g is not None]})
         out["counted_activation"] = rec.peak(rec.records_at("window_end", grads), until="window_end", adopted=False)
         out["counted_total"] = rec.peak()
     return out
@@ -392,3 +392,27 @@ def test_the_estimator_shows_eager_and_compiled_side_by_side(capsys: pytest.Capt
     (row,) = [line for line in out.splitlines() if line.startswith("| `full` |")]
     compiled = _estimated([*shape, "trainer.compile=true"])
     assert row.split("|")[5].strip() == f"{compiled.peak_bytes / 2**20:.3f}"
+
+
+def test_the_allocator_recorder_finds_a_sharded_gradient_by_its_local_shard() -> None:
+    """A compiled step's activation leaves out the gradients alive at the end of backward; under FSDP2 they are
+    DTensors, whose own storage has no data (a compiled FSDP2 run failed at its metered step: 'invalid python
+    storage'). The recorder finds each by its local shard."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer.measure.fake.process_group import fake_mesh, release
+    from trainer.measure.memory.allocator_events import AllocatorRecorder
+
+    mesh, group = fake_mesh(2, "cpu")
+    try:
+        recorder = AllocatorRecorder("cpu")
+        recorder.start()
+        grad = distribute_tensor(torch.ones(64, 32), mesh, [Shard(0)])  # this rank's (32, 32) shard, made in the window
+        with pytest.raises(RuntimeError, match="invalid python storage"):  # no data of its own
+            grad.untyped_storage().data_ptr()
+        recorder.mark("end", [grad])
+        rec = recorder.stop()
+        (record,) = rec.records_at("end", [grad, None])
+        assert rec.peak(excluding=[record]) == rec.peak() - 32 * 32 * 4
+    finally:
+        release(group)

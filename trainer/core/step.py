@@ -175,8 +175,7 @@ class StepMeter:
         self.close_window(module)
         if self.recorder is not None:
             rec = self.recorder.stop()
-            pointers = (g.untyped_storage().data_ptr() for g in self._grads if g is not None)
-            grads = rec.records_at(self.WINDOW_END, pointers)
+            grads = rec.records_at(self.WINDOW_END, self._grads)
             activation = rec.peak(excluding=grads, until=self.WINDOW_END, adopted=False)
             return StepFigures(activation, rec.peak(), events=rec.events, adopted=rec.adopted)
         tracker = self.tracker

@@ -59,9 +59,11 @@ class Recording:
             peak = max(peak, live)
         return peak
 
-    def records_at(self, mark: str, pointers: Iterable[int]) -> set[int]:
-        """The records alive at `pointers` when `mark` was made (e.g. the gradients at the end of backward)."""
+    def records_at(self, mark: str, tensors: Iterable[torch.Tensor | None]) -> set[int]:
+        """The records alive under `tensors` (a DTensor's local shard) when `mark` was made (e.g. the gradients at
+        the end of backward)."""
         alive = self.alive_at.get(mark, {})
+        pointers = (t.untyped_storage().data_ptr() for t in local_tensors(tensors))
         return {alive[p] for p in pointers if p in alive}
 
 
