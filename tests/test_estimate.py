@@ -543,6 +543,14 @@ def test_a_compiled_configuration_says_what_its_compiled_estimate_approximates()
         open_session(sharded, "cpu")
     assert "\n" not in str(e.value)
     assert not torch.distributed.is_initialized()  # refused before any process group is made
+    split = compose_config(
+        ["model=micro", "seq_len=16", "trainer=fsdp2", "trainer.devices=2", "trainer.tensor_parallel=2"]
+        + ["trainer.compile=true"]
+    )  # one data-parallel rank: the tensor-parallel split alone refuses it (it crashed in the compiled estimate)
+    with pytest.raises(ConfigError, match="with trainer.tensor_parallel is not estimated yet") as e:
+        open_session(split, "cpu")
+    assert "\n" not in str(e.value)
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_compile_time_policy_is_not_estimated_eager_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:

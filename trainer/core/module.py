@@ -159,9 +159,16 @@ class DecoderModule(L.LightningModule):
             fully_shard(self.model, mesh=dp_mesh, **kwargs)
             self._sharded = True
             explain_group_stand_ins(self.model)
-        # After the policy (so compile sees the checkpoint regions) and once the model is on its device.
+        # After the policy (so compile sees the checkpoint regions) and once the model is on its device. Split by
+        # TP, each layer is compiled on its own, as torchtitan compiles: compiled whole, the embedding split by
+        # vocabulary hands dynamo a DTensor placement (_MaskPartial) whose mask it cannot trace under FSDP2.
         if self.compile and not self._compiled:
-            self.model.compile(backend=self.policy.compile_backend())
+            backend = self.policy.compile_backend()
+            if getattr(self.model, "tensor_parallel_degree", 1) > 1:
+                for layer in self.adapter.layers:
+                    layer.compile(backend=backend)
+            else:
+                self.model.compile(backend=backend)
             self._compiled = True
 
     def loss_of(self, batch: tuple[torch.Tensor, torch.Tensor], loss: LossConfig | None = None) -> torch.Tensor:

@@ -79,8 +79,8 @@ def sharded_world(config: Config) -> int:
 
 
 def tensor_parallel(config: Config) -> int:
-    """The tensor-parallel degree, its refusals that need no model: it runs on FSDP2's 2-D mesh, divides the devices,
-    and is not compiled yet. What it must divide in the model is checked on the model (trainer/parallel/tensor.py)."""
+    """The tensor-parallel degree, its refusals that need no model: it runs on FSDP2's 2-D mesh and divides the
+    devices. What it must divide in the model is checked on the model (trainer/parallel/tensor.py)."""
     t = config.trainer
     degree = t.tensor_parallel
     if degree == 1:
@@ -95,9 +95,12 @@ def tensor_parallel(config: Config) -> int:
             f"trainer.tensor_parallel={degree} does not divide the {t.devices} × {t.num_nodes} devices; "
             f"set trainer.devices to a multiple of {degree}"
         )
-    if t.compile:
+    policy = build_policy(config.policy)
+    if policy.requires_compile:
         raise ConfigError(
-            f"trainer.tensor_parallel={degree} with trainer.compile=true is not supported yet; drop one of them"
+            f"policy={policy.name} with trainer.tensor_parallel={degree}: torch's budget partitioner cannot size the "
+            "process group a split layer's collectives take; use another policy (full, selective, op_sac) or "
+            "trainer.tensor_parallel=1"
         )
     if why := loss_refused_under_tensor_parallel(config.loss.name, degree):
         raise ConfigError(why)

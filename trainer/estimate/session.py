@@ -355,12 +355,13 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
     check_config(config.data, config.seq_len, config.batch_size, tokenizer_from)  # the run's refusals, no data read
     if config.model.vocab_size is None and config.model.family != "hf":
         notes.append(f"vocab_size {vocab} from data.tokenizer={config.data.tokenizer} (model.vocab_size overrides it)")
-    if config.trainer.compile and world > 1:
-        raise ConfigError(
-            "trainer.compile=true with trainer=fsdp2 is not estimated yet (the compiled estimate runs on one device): "
-            "estimate trainer.compile=true without FSDP2, or FSDP2 without compile"
-        )
     tp = facts.tensor_parallel
+    if config.trainer.compile and world * tp > 1:
+        split = "trainer=fsdp2" if tp == 1 else "trainer.tensor_parallel"
+        raise ConfigError(
+            f"trainer.compile=true with {split} is not estimated yet (the compiled estimate runs on one device): "
+            f"estimate trainer.compile=true without {split}, or {split} without compile"
+        )
     mesh, group = fake_mesh(world * tp, fake_device, tp) if world * tp > 1 else (None, None)
     if tp > 1:
         seq = f", the norms and the residual stream 1/{tp} of the sequence" if config.trainer.sequence_parallel else ""

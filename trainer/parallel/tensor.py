@@ -23,10 +23,12 @@ split through the cross-entropy: torch's `loss_parallel` computes the softmax's 
 rank holds the (tokens × vocabulary) logits whole, nor their fp32 copy. Off, the logits are gathered whole on every
 rank first; a plan that keeps the head whole (transformers') computes them whole on every rank.
 
-Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused; trainer.compile is
-refused. With sequence parallelism every dropout acts on a rank's own share and draws from a stream forked per rank
-(Megatron's per-rank generator); without it the residual dropouts act on whole, replicated activations and must draw
-the same masks on every rank, and the attention's dropout, on the rank's heads, draws them too (not yet forked).
+Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused, and so is
+policy=memory_budget (its partitioner cannot size a split layer's process group); under trainer.compile=true each
+layer compiles on its own (DecoderModule.configure_model), as torchtitan's do. With sequence parallelism every
+dropout acts on a rank's own share and draws from a stream forked per rank (Megatron's per-rank generator); without
+it the residual dropouts act on whole, replicated activations and must draw the same masks on every rank, and the
+attention's dropout, on the rank's heads, draws them too (not yet forked).
 """
 
 from __future__ import annotations
