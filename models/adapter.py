@@ -155,6 +155,11 @@ class DecoderAdapter:
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         raise NotImplementedError
 
+    def attention_module(self, i: int) -> nn.Module | None:
+        """Layer i's attention: the module that holds its projections and core and whose only dropout is the core's
+        (under tensor parallelism, what a rank runs on its own heads); None for a layer without attention."""
+        raise NotImplementedError
+
     def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, Any] | None:
         """torch ParallelStyles by module path (`*` for any layer, as `parallelize_module` reads them; a tuple for
         several on one module, applied in order) that split the model Megatron's way over a tensor-parallel mesh;

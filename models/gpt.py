@@ -57,7 +57,6 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
-        self.resid_dropout = nn.Dropout(config.dropout)
         # A buffer, not a parameter, and non-persistent so state_dict stays the same for both attention paths.
         mask = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
         self.register_buffer("causal_mask", mask, persistent=False)
@@ -74,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         y = self.core_attention(q, k, v)
         # (B, n_head, T, head_dim) -> (B, T, C)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
-        return self.resid_dropout(self.c_proj(y))
+        return self.c_proj(y)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """QKᵀ → causal softmax → dropout → ·V. The unit Korthikanti et al. (2022) recompute selectively."""
@@ -108,9 +107,13 @@ class GPTBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = GPTMLP(config)
+        # nanoGPT's attention ends in this dropout; here the block applies it, so the attention module's one dropout
+        # is its core's: under tensor parallelism without sequence parallelism a rank runs the attention on its own
+        # heads (its dropout draws per rank) and this one on the whole output (drawn alike on every rank).
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.resid_dropout(self.attn(self.ln_1(x)))
         x = x + self.mlp(self.ln_2(x))
         return x
 

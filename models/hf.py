@@ -355,7 +355,7 @@ class HFAdapter(DecoderAdapter):
     def attention(self) -> str:
         return "eager" if self.model.config._attn_implementation in (ATTENTION_NAME, "eager") else "sdpa"
 
-    def _attention_module(self, i: int) -> nn.Module | None:
+    def attention_module(self, i: int) -> nn.Module | None:
         """Layer i's attention (the module with `config` and `is_causal`), or None: a hybrid model's state-space
         layer (Jamba's Mamba layers) has none."""
         layer = self.layers[i]
@@ -379,7 +379,7 @@ class HFAdapter(DecoderAdapter):
         return self._layer_output
 
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
-        module = self._attention_module(i)
+        module = self.attention_module(i)
         if module is None:  # no attention in this layer: no core to recompute
             return
         if wrapper is None:

@@ -42,6 +42,9 @@ class NativeAdapter(DecoderAdapter):
     def attention(self) -> str:
         return self.model.config.attention
 
+    def attention_module(self, i: int) -> nn.Module | None:
+        return self.layers[i].attn
+
     def wrap_core_attention(self, i: int, wrapper: Wrapper | None) -> None:
         attn = self.layers[i].attn
         if wrapper is None:

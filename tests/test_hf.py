@@ -132,7 +132,7 @@ def test_eager_attention_runs_the_seam_and_sdpa_does_not(hf_models: dict[str, Pa
         adapter_for(model).wrap_core_attention(0, wrapper)
         model(input_ids=torch.randint(0, 320, (1, 8)))
     assert calls == ["transformers.models.llama.modeling_llama"]  # the model's own eager core, once (eager model)
-    assert WRAPPER_ATTR in adapter_for(sdpa)._attention_module(0).__dict__
+    assert WRAPPER_ATTR in adapter_for(sdpa).attention_module(0).__dict__
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ POLICIES: list[dict[str, Any]] = [
     {"name": "torchtitan_sac"},
     {"name": "offload", "min_bytes": 0},
 ]
+# Without SP: a checkpoint around the attention's core (selective), around the whole block (full), and per op.
+NO_SP_POLICIES: list[dict[str, Any]] = [{"name": "selective"}, {"name": "full"}, {"name": "op_sac"}]
 VOCAB, T, B = 64, 16, 2
 
 
@@ -174,6 +176,17 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                 grads["loss"] = torch.tensor(loss)
                 ref = ref or grads
                 report["policies"][f"{family} {cfg['name']}"] = all(torch.equal(grads[n], g) for n, g in ref.items())
+        for family in ("llama", "gpt"):  # without SP: the attention's forked stream met inside each recompute
+            ref = {}
+            for cfg in [{"name": "none"}, *NO_SP_POLICIES]:
+                m = _model(False, "eager", dropout=0.1, family=family)
+                apply_policy(m, cfg)
+                tensor.apply(m, mesh, False, True)
+                loss, grads = _step(m, x, y)
+                grads["loss"] = torch.tensor(loss)
+                ref = ref or grads
+                same = all(torch.equal(grads[n], g) for n, g in ref.items())
+                report["policies"][f"{family} sp=False {cfg['name']}"] = same
         Path(out, f"{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -186,7 +199,8 @@ def test_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path
     without sequence parallelism, with a tied head, eager and sdpa, LLaMA, GPT and transformers' Llama. Under TP
     every policy's gradients equal none's bitwise, LLaMA's and GPT's, dropout on (recompute replays the same masks
     and the same collectives). With sequence parallelism the two ranks draw their own dropout masks (each holds its
-    own stretch of the sequence and its own heads), without it the same ones where both hold the whole activations."""
+    own stretch of the sequence and its own heads); without it the attention's differ (each rank's heads) and the
+    residual stream's are the same (both hold the whole activations)."""
     import torch.multiprocessing as mp
 
     store = tempfile.mktemp(dir=tmp_path)
@@ -198,7 +212,10 @@ def test_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path
         split, whole = (masks[0][f"{family} sp={sp}"] for sp in (True, False))
         assert len(split) == 2 * 2 + (family == "gpt") * 3, split  # every dropout ran (GPT: embedding, MLP)
         assert all(masks[1][f"{family} sp=True"][n] != m for n, m in split.items()), family
-        replicated = [n for n in whole if "attn_dropout" not in n]  # the residual stream, whole on each rank
+        # without SP: the attention's on each rank's own heads, the residual stream's on activations whole on each
+        heads = [n for n in whole if "attn_dropout" in n]
+        assert len(heads) == 2 and all(masks[1][f"{family} sp=False"][n] != whole[n] for n in heads), family
+        replicated = [n for n in whole if n not in heads]
         assert replicated and all(masks[1][f"{family} sp=False"][n] == whole[n] for n in replicated), family
     for case in reports[0]["layouts"]:
         assert case["loss"] <= 1e-6 and case["grad"] <= 1e-6, case
@@ -206,6 +223,7 @@ def test_split_two_ways_trains_as_one_process_and_every_policy_composes(tmp_path
         assert case["tied"] == case["layout"][2]  # the shared weight is one DTensor again
         assert case["loss_parallel"], case
     names = ["none", *(p["name"] for p in POLICIES)]
+    names += [f"sp=False {n}" for n in ["none", *(p["name"] for p in NO_SP_POLICIES)]]
     assert reports[0]["policies"] == {f"{family} {n}": True for family in ("llama", "gpt") for n in names}
 
 

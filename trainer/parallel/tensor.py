@@ -25,10 +25,9 @@ rank first; a plan that keeps the head whole (transformers') computes them whole
 
 Known limitations: loss=chunked and loss=fused read the head's weight directly and are refused, and so is
 policy=memory_budget (its partitioner cannot size a split layer's process group); under trainer.compile=true each
-layer compiles on its own (DecoderModule.configure_model), as torchtitan's do. With sequence parallelism every
-dropout acts on a rank's own share and draws from a stream forked per rank (Megatron's per-rank generator); without
-it the residual dropouts act on whole, replicated activations and must draw the same masks on every rank, and the
-attention's dropout, on the rank's heads, draws them too (not yet forked).
+layer compiles on its own (DecoderModule.configure_model), as torchtitan's do. Dropout on a rank's own share
+draws from a stream forked per rank (Megatron's per-rank generator): every dropout with sequence parallelism, the
+attention's alone without (the residual dropouts then act on whole activations every rank must keep equal).
 """
 
 from __future__ import annotations
@@ -93,8 +92,13 @@ def apply(model: nn.Module, tp_mesh: Any, sequence_parallel: bool, loss_parallel
         head.weight = tied.weight  # DTensor serves both again
     model.tensor_parallel_degree = tp_mesh.size()  # read by a family that calls the model differently when split
     model.loss_parallel = split_loss  # read by loss_context
-    if sequence_parallel:  # every dropout then acts on this rank's share: its masks drawn from the rank's own stream
-        model.forward = functools.partial(_on_rank_stream, model.forward, tp_mesh.get_local_rank(), tp_mesh.device_type)
+    # Dropout where a rank holds its own share draws from the rank's own stream: with sequence parallelism that is
+    # every dropout (the whole forward); without, the attention's alone (its heads), while the residual stream's
+    # dropouts act on whole activations that every rank must keep equal.
+    rank, device_type = tp_mesh.get_local_rank(), tp_mesh.device_type
+    split = [model] if sequence_parallel else [adapter.attention_module(i) for i in range(adapter.n_layer)]
+    for module in (m for m in split if m is not None):
+        module.forward = functools.partial(_on_rank_stream, module.forward, rank, device_type)
 
 
 def _seed(state: torch.Tensor, salt: bytes) -> int:
@@ -105,9 +109,9 @@ def _seed(state: torch.Tensor, salt: bytes) -> int:
 
 
 def _on_rank_stream(forward: Callable[..., Any], rank: int, device_type: str, *args: Any, **kwargs: Any) -> Any:
-    """`forward` with the random stream forked for this rank, as Megatron's per-rank generator does: under sequence
-    parallelism every dropout sits where a rank holds its own share (its stretch of the sequence, its heads), so
-    the ranks of a group, which share a seed, must not draw the same masks. The rank's seed is derived from the
+    """`forward` with the random stream forked for this rank, as Megatron's per-rank generator does: its dropouts act
+    on the rank's own share (its stretch of the sequence, its heads), so the ranks of a group, which share a seed,
+    must not draw the same masks. The rank's seed is derived from the
     shared stream's state, which is then reseeded from it, the same on every rank; a checkpoint inside `forward`
     stashes the forked state it meets and its recompute replays the same masks. torch's DTensor RNG tracker does the
     like for random ops on DTensors, on CUDA alone; these dropouts run on plain local shards, on any device."""
