@@ -109,11 +109,19 @@ def cpu_kernel_rules() -> Iterator[None]:
     from torch._library.utils import Kernel
 
     rules = {"aten::_grouped_mm": grouped_mm_cpu_fake, "_c10d_functional::wait_tensor": wait_tensor_fake}
-    added = [(singleton.find(name).fake_impl.kernels, Kernel(fn, __name__)) for name, fn in rules.items()]
-    for kernels, kernel in added:
-        kernels.append(kernel)
+    holders = [singleton.find(name).fake_impl for name in rules]
+    # torch keeps a holder's kernels in a list (newest last) from 2.8 on; 2.7 holds a single `kernel`
+    saved = [None if hasattr(h, "kernels") else h.kernel for h in holders]
+    for holder, fn in zip(holders, rules.values(), strict=True):
+        if hasattr(holder, "kernels"):
+            holder.kernels.append(Kernel(fn, __name__))
+        else:
+            holder.kernel = Kernel(fn, __name__)
     try:
         yield
     finally:
-        for kernels, kernel in added:
-            kernels.remove(kernel)
+        for holder, old in zip(holders, saved, strict=True):
+            if hasattr(holder, "kernels"):
+                holder.kernels.pop()
+            else:
+                holder.kernel = old
