@@ -17,6 +17,7 @@ run's own module instead, so the estimate covers the policy, the loss head and t
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,9 @@ def _fake_store() -> Any:
     return FakeStore()
 
 
+_SERIAL = itertools.count()
+
+
 def fake_mesh(world: int, device_type: str, tensor_parallel: int = 1) -> tuple[Any, Any]:
     """A device mesh over `world` ranks of torch's fake process group (collectives that move nothing), and the group
     to destroy after (`release`): 1-D (data parallel), or with `tensor_parallel` > 1 the run's 2-D (data parallel ×
@@ -46,10 +50,13 @@ def fake_mesh(world: int, device_type: str, tensor_parallel: int = 1) -> tuple[A
     # Names of their own: torch's DeviceMesh equality (and DTensor's cache of sharding decisions, keyed by it) looks at
     # the ranks, the layout and the names, not the process groups, so a fake mesh named as the run's would stand in for
     # it in the run's own later steps, and their collectives would go to a destroyed fake group.
-    shape, names = (world,), ("estimate_data_parallel",)
+    # And a serial of their own: two estimates in one process (a test's, a tool's) would otherwise make equal
+    # meshes, and the second would reuse the first's cached decisions, whose groups `release` destroyed.
+    serial = next(_SERIAL)
+    shape, names = (world,), (f"estimate_{serial}_data_parallel",)
     if tensor_parallel > 1:
         shape = (world // tensor_parallel, tensor_parallel)
-        names = ("estimate_data_parallel", "estimate_tensor_parallel")
+        names = (f"estimate_{serial}_data_parallel", f"estimate_{serial}_tensor_parallel")
     if not dist.is_initialized():
         dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=world)
         return init_device_mesh(device_type, shape, mesh_dim_names=names), dist.GroupMember.WORLD
