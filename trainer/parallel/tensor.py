@@ -111,10 +111,10 @@ def _seed(state: torch.Tensor, salt: bytes) -> int:
 def _on_rank_stream(forward: Callable[..., Any], rank: int, device_type: str, *args: Any, **kwargs: Any) -> Any:
     """`forward` with the random stream forked for this rank, as Megatron's per-rank generator does: its dropouts act
     on the rank's own share (its stretch of the sequence, its heads), so the ranks of a group, which share a seed,
-    must not draw the same masks. The rank's seed is derived from the
-    shared stream's state, which is then reseeded from it, the same on every rank; a checkpoint inside `forward`
-    stashes the forked state it meets and its recompute replays the same masks. torch's DTensor RNG tracker does the
-    like for random ops on DTensors, on CUDA alone; these dropouts run on plain local shards, on any device."""
+    must not draw the same masks. The rank's seed is derived from the shared stream's state, which is then reseeded
+    from it, the same on every rank; a checkpoint inside `forward` stashes the forked state it meets and its recompute
+    replays the same masks. torch's DTensor RNG tracker does the like for random ops on DTensors, on CUDA alone;
+    these dropouts run on plain local shards, on any device."""
     if device_type == "cpu":
         gen = torch.default_generator
     else:
