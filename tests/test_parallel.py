@@ -443,6 +443,8 @@ def _config(*overrides: str) -> Any:
         (["trainer.devices=3", "trainer.tensor_parallel=2"], "set trainer.devices to a multiple of 2"),
         (["trainer.tensor_parallel=2", "loss=chunked"], "use loss=standard"),
         (["trainer.tensor_parallel=2", "trainer.compile=true", "policy=memory_budget"], "cannot size the process"),
+        (["trainer.tensor_parallel=2", "trainer.compile=true", "policy=auto", "policy.budget_mib=9"], "name the plan"),
+        (["trainer.compile=true", "policy=auto", "policy.budget_mib=9"], r"not with trainer=fsdp2 yet\): name"),
     ],
 )
 def test_a_layout_that_cannot_run_is_one_line(overrides: list[str], says: str) -> None:

@@ -152,5 +152,12 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     """Every fact `config` settles into on `device` (default: the device the run trains on), refusals first."""
     device = device or train_device(config)
     chosen, why = settle_precision(config, device, estimate=estimate)
-    world = sharded_world(config)
-    return Resolved(device, chosen, why, hf_config(config), model_vocab(config), world, tensor_parallel(config))
+    world, tp = sharded_world(config), tensor_parallel(config)
+    policy = build_policy(config.policy)
+    if policy.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank
+        split = "trainer.tensor_parallel" if tp > 1 else "trainer=fsdp2"
+        raise ConfigError(
+            f"policy={policy.name} with trainer.compile=true plans on the compiled estimate, which runs on one device "
+            f"(not with {split} yet): name the plan instead (policy=per_block policy.blocks=[...]), or drop compile"
+        )
+    return Resolved(device, chosen, why, hf_config(config), model_vocab(config), world, tp)
