@@ -21,6 +21,7 @@ from trainer.errors import PolicyError
 from trainer.loss import LossConfig, head_loss
 from trainer.measure import metrics as M
 from trainer.parallel import tensor as tensor_parallel
+from trainer.parallel.gloo import settle_on_gloo
 from trainer.policies import Policy, apply_policy, build_policy, draws_dropout
 
 
@@ -156,7 +157,9 @@ class DecoderModule(L.LightningModule):
                 kwargs["mp_policy"] = mp_policy(self.fsdp_param_dtype)
             for layer in self.adapter.layers:
                 fully_shard(layer, mesh=dp_mesh, **kwargs)
+                settle_on_gloo(layer, dp_mesh.get_group())
             fully_shard(self.model, mesh=dp_mesh, **kwargs)
+            settle_on_gloo(self.model, dp_mesh.get_group())
             self._sharded = True
             explain_group_stand_ins(self.model)
         # After the policy (so compile sees the checkpoint regions) and once the model is on its device. Split by
