@@ -128,7 +128,7 @@ def registered_policies(config: Config, only: Sequence[str] | None = None) -> tu
     skipped: dict[str, str] = {}
     with quiet_policy_notices():
         for name in names:
-            if POLICIES[name].requires_compile and not config.trainer.compile:
+            if POLICIES[name].caps.requires_compile and not config.trainer.compile:
                 skipped[name] = "needs trainer.compile=true (torch's compile-time partitioner: bench.compiled runs it)"
                 continue
             try:

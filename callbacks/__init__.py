@@ -1,2 +1,2 @@
-"""The run's Lightning callbacks. A policy that needs one names it (`Policy.brings`, e.g. auto's planner), so
+"""The run's Lightning callbacks. A policy that needs one names it (`Capabilities.brings`, e.g. auto's planner), so
 importing this package registers nothing."""

@@ -41,7 +41,7 @@ class PredictionCallback(L.Callback):
         model = getattr(pl_module, "model", pl_module)
         installed = getattr(model, "activation_policy", None) or pl_module.policy
         policy = build_policy(installed.cfg)  # its own object: the run's holds the run's state (offload's streams)
-        if policy.planned_first:
+        if policy.caps.planned_first:
             policy.choose(model.activation_plan.treatments)  # the plan its planner chose for this run
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -51,7 +51,7 @@ def micro_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 # auto plans at fit start (bench.planner plans it); memory_budget is decided as the model compiles (bench.compiled)
-EAGER_ROWS = [n for n in POLICIES if n != "auto" and not POLICIES[n].requires_compile]
+EAGER_ROWS = [n for n in POLICIES if n != "auto" and not POLICIES[n].caps.requires_compile]
 
 
 def _rows(data: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:

@@ -72,7 +72,7 @@ RUN = [
     "measure.activation_every_n_steps=1",
 ]
 # auto plans at fit start (tests/test_planner.py); a compile-time policy is not estimated (tests/test_compiled.py)
-POLICY_NAMES = [p for p in POLICIES if p != "auto" and not POLICIES[p].not_estimated(False)]
+POLICY_NAMES = [p for p in POLICIES if p != "auto" and not POLICIES[p].caps.not_estimated(False)]
 
 
 def assert_estimate_equals_run(est: Any, summary: dict[str, Any]) -> None:

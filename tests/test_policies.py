@@ -261,7 +261,7 @@ def test_every_family_every_policy_equals_none_bitwise(family: str, case: str, h
     model = family_model(family, hf_models)
     policy = build_policy(CASES[case])
     if not adapter_for(model).has_attention_seam and any(
-        policy.treatment_policy(t).recomputes_core for t in policy.plan(adapter_for(model).n_layer).treatments
+        policy.treatment_policy(t).caps.recomputes_core for t in policy.plan(adapter_for(model).n_layer).treatments
     ):
         with pytest.raises(PolicyError, match="has no swappable attention function"):
             apply_policy(model, policy)
@@ -838,7 +838,7 @@ def test_a_treatments_parameters_reach_it_through_a_composite_policy() -> None:
     assert policy.treatment_policy("offload").cfg.prefetch is False
     # every treatment with parameters is listed under params, from its own Config (the registry, not a hand list)
     auto = compose_config(["policy=auto", "policy.budget_mib=100"]).policy
-    with_params = {n for n, c in POLICIES.items() if c.treatment and len(dataclasses.fields(c.Config)) > 1}
+    with_params = {n for n, c in POLICIES.items() if c.caps.treatment and len(dataclasses.fields(c.Config)) > 1}
     assert set(auto["params"]) == with_params and {"op_sac", "offload"} <= with_params
     assert list(auto["params"]["op_sac"]["save_ops"]) == list(DEFAULT_SAC_SAVE_OPS)
     # the old spelling on the command line is one line naming the new one
@@ -873,7 +873,7 @@ def test_a_policy_brings_its_callbacks() -> None:
     from callbacks.planner import AutoPlanCallback
 
     assert isinstance(planner, AutoPlanCallback) and planner.policy is auto and auto.callbacks() == [planner]
-    assert auto.planned_first and auto.unplanned
+    assert auto.caps.planned_first and auto.caps.unplanned
     assert all(build_policy(CASES[c]).callbacks() == [] for c in CASES)
     with pytest.raises(PolicyError, match="is not planned"):
         build_policy("full").choose(["none"])
@@ -882,7 +882,7 @@ def test_a_policy_brings_its_callbacks() -> None:
 def test_a_new_treatment_with_a_parameter_is_one_class() -> None:
     """What the README's extending table says: a treatment registers with its Config, and per_block and auto take
     its parameter under policy.params.<name> (in their schema, validated, handed to its blocks) with no other edit."""
-    from trainer.policies import PolicyConfig, register
+    from trainer.policies import Capabilities, PolicyConfig, register
 
     @dataclasses.dataclass
     class ScaledConfig(PolicyConfig):
@@ -895,7 +895,7 @@ def test_a_new_treatment_with_a_parameter_is_one_class() -> None:
     @register
     class Scaled(policies.Policy):
         name = "scaled_test"
-        treatment = True
+        caps = Capabilities(treatment=True)
         Config = ScaledConfig
 
         def run(self, fn: Any, x: torch.Tensor, key: int) -> torch.Tensor:

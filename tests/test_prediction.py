@@ -108,7 +108,8 @@ def test_the_report_shows_estimate_and_error(compose_cfg: Any, tmp_path: Path) -
 # Every native family (from the family registry) × every policy the registry has, except auto, whose plan the
 # planner callback chooses at fit start (its prediction is checked through real runs in tests/test_planner.py).
 # memory_budget is decided as the model compiles: predicted only under trainer.compile=true (tests/test_compiled.py).
-PREDICTED = [(f, p) for f in NATIVE_FAMILIES for p in POLICIES if p != "auto" and not POLICIES[p].not_estimated(False)]
+ESTIMATED = [p for p in POLICIES if p != "auto" and not POLICIES[p].caps.not_estimated(False)]
+PREDICTED = [(f, p) for f in NATIVE_FAMILIES for p in ESTIMATED]
 
 
 @pytest.mark.parametrize("family, policy", PREDICTED)

@@ -164,11 +164,11 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     if tolerance is None:
         tolerance = 1e-5 if (device.type == "cuda" or compiled) else 0.0
     policy = build_policy(config.policy)
-    if config.model.family != "hf" or policy.planned_first:  # refused before any data is read
+    if config.model.family != "hf" or policy.caps.planned_first:  # refused before any data is read
         policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
     if facts.tensor_parallel > 1 and facts.device != "cpu":
         raise ConfigError("trainer.check splits a layer over gloo processes on the CPU; add trainer.accelerator=cpu")
-    if facts.tensor_parallel > 1 and policy.planned_first:
+    if facts.tensor_parallel > 1 and policy.caps.planned_first:
         raise ConfigError(
             "trainer.check with trainer.tensor_parallel plans nothing first: check the plan's treatments by name "
             "(policy=per_block policy.blocks=[...]), or policy=auto with trainer.tensor_parallel=1"
@@ -199,7 +199,7 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
             return m
 
         ref, mod = build_one("none"), build_one(policy)
-        if policy.planned_first:  # planned on the first batch, as at fit start
+        if policy.caps.planned_first:  # planned on the first batch, as at fit start
             _plan_first(config, policy, ref, mod, batches[0], step_precision)
         if compiled and mesh is None:
             ref.configure_model()

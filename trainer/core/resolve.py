@@ -55,7 +55,7 @@ def hf_config(config: Config) -> Any:
     attn_implementation(cls, config.model.attention)
     policy = build_policy(config.policy)
     depth = getattr(loaded, "num_hidden_layers", None) or getattr(loaded, "n_layer", None)
-    if isinstance(depth, int) and not policy.planned_first and not has_attention_seam(cls):
+    if isinstance(depth, int) and not policy.caps.planned_first and not has_attention_seam(cls):
         policy.check(depth, config.model.attention)
         if needs_attention_seam(policy, depth):
             raise no_seam_refusal(policy, cls.__name__)
@@ -96,7 +96,7 @@ def tensor_parallel(config: Config) -> int:
             f"set trainer.devices to a multiple of {degree}"
         )
     policy = build_policy(config.policy)
-    if policy.requires_compile:
+    if policy.caps.requires_compile:
         raise ConfigError(
             f"policy={policy.name} with trainer.tensor_parallel={degree}: torch's budget partitioner cannot size the "
             "process group a split layer's collectives take; use another policy (full, selective, op_sac) or "
@@ -154,7 +154,7 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     chosen, why = settle_precision(config, device, estimate=estimate)
     world, tp = sharded_world(config), tensor_parallel(config)
     policy = build_policy(config.policy)
-    if policy.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank
+    if policy.caps.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank
         split = "trainer.tensor_parallel" if tp > 1 else "trainer=fsdp2"
         raise ConfigError(
             f"policy={policy.name} with trainer.compile=true plans on the compiled estimate, which runs on one device "

@@ -296,7 +296,7 @@ class Run:
             config.model.name,
             module.adapter.attention,
             module.policy.cfg.name,
-            "chosen at fit start" if module.policy.planned_first else module.model.activation_plan.describe(),
+            "chosen at fit start" if module.policy.caps.planned_first else module.model.activation_plan.describe(),
             config.loss.name,
             precision.describe(config.precision, config.trainer),
             f"{module.adapter.num_parameters():,}",

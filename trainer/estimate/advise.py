@@ -164,7 +164,7 @@ def _world(
 ) -> list[Advice]:
     """The smallest FSDP2 world size at which one rank of the configured policy and head fits the budget."""
     name = est.policy
-    if POLICIES[name].planned_first or config.trainer.compile:
+    if POLICIES[name].caps.planned_first or config.trainer.compile:
         # auto plans for its own budget on one device; a compiled step is estimated on one device only
         return []
     table = fit_table(

@@ -493,7 +493,8 @@ def _extras(
         names = [
             n
             for n, e in table.items()
-            if isinstance(e, Estimate) or not (POLICIES[n].planned_first or POLICIES[n].not_estimated(compiled))
+            if isinstance(e, Estimate)
+            or not (POLICIES[n].caps.planned_first or POLICIES[n].caps.not_estimated(compiled))
         ]
         fit = fit_table(
             session.config,
@@ -520,7 +521,7 @@ def _flipped_table(config: Any, device: str, args: Any) -> dict[str, Estimate | 
         if args.policies == "all":
             return estimate_tables(flipped, device, {}, args.autocast_cache, session=session, losses=False)[0]
         policy = build_policy(config.policy)
-        if policy.planned_first:
+        if policy.caps.planned_first:
             return {}
         with quiet_policy_notices():
             return {policy.cfg.name: measure(session, policy)}
@@ -584,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         speed = None if args.no_time else speed_for(device, args.gpu, args.catalogue)
         plans: dict[str, Plan] = {}
         preface = ""
-        if policy.planned_first:
+        if policy.caps.planned_first:
             if config.model.family != "hf":
                 with quiet_policy_notices():
                     policy.check(config.model.n_layer, config.model.attention)  # a missing budget: one line, exit 2

@@ -53,7 +53,7 @@ def plan_result_for_config(
     for `speed` (trainer.measure.time.roofline). Under trainer.compile=true always on fake tensors: a compiled block is
     measured as the estimator compiles it (its generated code on fake tensors), which real tensors cannot run."""
     policy = build_policy(config.policy)
-    if not policy.planned_first:
+    if not policy.caps.planned_first:
         raise PolicyError(f"plan_for_config: policy={policy.cfg.name} has no planner; use policy=auto")
     if fake or config.trainer.compile:
         session = open_session(config, None if device is None else torch.device(device).type)

@@ -484,7 +484,7 @@ def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
 def measure(session: Session, policy: Policy, loss: LossConfig | None = None) -> Estimate:
     """`policy` (and `loss`, else the configured head) on the session's module: one step, its figures."""
     compiled = session.config.trainer.compile
-    if why := policy.not_estimated(compiled):
+    if why := policy.caps.not_estimated(compiled):
         raise PolicyError(f"policy {policy.name}: {why}")
     if why := policy.refusal(compiled, draws_dropout(session.module.model)):  # as the run refuses it
         raise PolicyError(why)

@@ -81,9 +81,9 @@ def estimate_tables(
                 table[name] = known
         elif not policies:
             continue
-        elif POLICIES[name].planned_first and (plans or {}).get(name) is None:
-            table[name] = POLICIES[name].unplanned
-        elif why := POLICIES[name].not_estimated(config.trainer.compile):
+        elif POLICIES[name].caps.planned_first and (plans or {}).get(name) is None:
+            table[name] = POLICIES[name].caps.unplanned
+        elif why := POLICIES[name].caps.not_estimated(config.trainer.compile):
             table[name] = why
         else:
             tasks.append((name, None))

@@ -53,16 +53,16 @@ def build_context(config: Config, device: str) -> tuple[ExportInput, Session, st
     """Our plan as the estimator makes it: a planned policy (auto) planned first on fake tensors, then the session
     the figures are measured on (closed here if the policy refuses this model), and the plan as it runs on it."""
     policy = build_policy(config.policy)
-    if policy.requires_compile:  # its cut is the compiler's, so there is no plan of ours to map
+    if policy.caps.requires_compile:  # its cut is the compiler's, so there is no plan of ours to map
         raise PolicyError(
             f"policy {policy.name}: not exported: decided by torch.compile's partitioner (torchtitan's peer is "
             "activation-checkpoint:memory-budget with activation_checkpoint.memory_budget, under compile)"
         )
     with quiet_policy_notices():
-        if config.model.family != "hf" or policy.planned_first:  # refused before any work (policy.k=9, no budget)
+        if config.model.family != "hf" or policy.caps.planned_first:  # refused before any work (policy.k=9, no budget)
             policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
     planner = ""
-    if policy.planned_first:
+    if policy.caps.planned_first:
         plan, loss_name, planner = planner_plan(config, device)
         policy.choose(plan.treatments)
         if loss_name and loss_name != config.loss.name:

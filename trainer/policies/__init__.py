@@ -10,8 +10,11 @@ A policy decides, per decoder layer ("block"), how its activations survive until
   offload    keep everything, in host memory instead of the device
 
 A segment of one block is that block's treatment; a segment of several blocks is ONE region (`sqrt`, `every_k`:
-"full-group"). Treatments are policies too (`treatment = True`): `per_block` and `auto` name them per block, and
-the registry is the one list of them. Adding a policy is one class in library.py and one yaml in conf/policy/.
+"full-group"). Treatments are policies too (`caps = Capabilities(treatment=True)`): `per_block` and `auto` name
+them per block, and the registry is the one list of them. What a policy is and needs (a treatment, recomputes,
+planned before it runs, needs compile, the callbacks it brings) is its one frozen `Capabilities` record; what a
+treatment does is the `Treatment` protocol (run, effective, unavailable), what plans blocks is `Planner` (check,
+plan, choose). Adding a policy is one class in library.py and one yaml in conf/policy/.
 
 `apply_policy` installs a plan through the decoder contract (models/adapter.py) and nothing else: a recomputed
 segment replaces its layers' `forward` (an instance attribute; the segment runs at its last layer's call, with
@@ -28,11 +31,14 @@ from trainer.errors import PolicyError
 from trainer.policies import library
 from trainer.policies.base import (
     POLICIES,
+    Capabilities,
     CompositeConfig,
     Plan,
+    Planner,
     Policy,
     PolicyConfig,
     Segment,
+    Treatment,
     build_policy,
     check_treatments,
     checkpointed,
@@ -51,12 +57,15 @@ from trainer.policies.library import *  # noqa: F403
 
 __all__ = [
     "POLICIES",
+    "Capabilities",
     "CompositeConfig",
     "Plan",
+    "Planner",
     "Policy",
     "PolicyConfig",
     "PolicyError",
     "Segment",
+    "Treatment",
     "apply_policy",
     "build_policy",
     "config_node",

@@ -8,7 +8,7 @@ import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -117,31 +117,65 @@ class CompositeConfig(PolicyConfig):
     params: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a policy is and needs, declared once on its class (`caps`): the run, the check, the estimator, the planner,
+    the export and the tables read it here instead of asking the policy one question each."""
+
+    treatment: bool = False  # runs one block its own way: per_block and auto can name it
+    recomputes_core: bool = False  # wraps the attention seam in a checkpoint (selective)
+    recomputes: bool = False  # replays its blocks' forward (or ops of it) in backward (full, op_sac)
+    # Its plan is chosen on the model before it runs (auto: at fit start, by a callback it brings); until then a
+    # table says `unplanned` for it.
+    planned_first: bool = False
+    unplanned: str = ""
+    # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
+    # and the estimator estimates it only there (trainer.measure.fake.compiled).
+    requires_compile: bool = False
+    # the Lightning callbacks a run of it needs, as "module:Class" (constructed with the policy and the run's config)
+    brings: tuple[str, ...] = ()
+
+    @property
+    def replays_forward(self) -> bool:
+        """Runs (part of) its blocks' forward again in backward: a layer's side effects (a KV-cache append) repeat."""
+        return self.recomputes or self.recomputes_core
+
+    def not_estimated(self, compiled: bool) -> str:
+        """What the estimator says instead of an estimate of this policy, or "" where it estimates it."""
+        if self.requires_compile and not compiled:
+            return "decided by torch.compile's partitioner: estimated under trainer.compile=true"
+        return ""
+
+
+class Treatment(Protocol):
+    """How one segment of blocks runs (none, full, selective, op_sac, torchtitan_sac, offload): what install_plan
+    and the planner ask of a treatment."""
+
+    name: ClassVar[str]
+    caps: ClassVar[Capabilities]
+
+    def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor: ...
+    def effective(self, attention: str) -> str: ...
+    def unavailable(self, attention: str, device_type: str) -> str | None: ...
+
+
+class Planner(Protocol):
+    """Which treatment each block gets (first_k, every_k, sqrt, per_block, auto, memory_budget; a treatment plans
+    itself on every block): what apply_policy asks of a policy before it installs the plan."""
+
+    def check(self, n_layer: int, attention: str) -> None: ...
+    def plan(self, n_layer: int) -> Plan: ...
+    def choose(self, block_treatments: Iterable[str]) -> None: ...
+    def treatment_policy(self, name: str) -> Treatment: ...
+
+
 class Policy:
-    """One activation-memory policy: a documented `Config` and a `plan`; a treatment also says how it runs a
-    segment (`run`) and whether it recomputes the attention core (`recomputes_core`)."""
+    """One activation-memory policy: a documented `Config`, what it is (`caps`) and a `plan`; a treatment also says
+    how it runs a segment (`run`). Every policy is a Planner and, with `caps.treatment`, a Treatment."""
 
     name: ClassVar[str]
     Config: ClassVar[type[PolicyConfig]] = PolicyConfig
-    treatment: ClassVar[bool] = False  # a way to run one block that per_block and auto can name
-    recomputes_core: ClassVar[bool] = False  # wraps the attention seam in a checkpoint (selective)
-    recomputes: ClassVar[bool] = False  # replays its blocks' forward (or ops of it) in backward (full, op_sac)
-    # Its plan is chosen on the model before it runs (auto: at fit start, by the callback it brings); until then a
-    # table says `unplanned` for it.
-    planned_first: ClassVar[bool] = False
-    # the Lightning callbacks a run of it needs, as "module:Class" (constructed with the policy and the run's config)
-    brings: ClassVar[tuple[str, ...]] = ()
-    unplanned: ClassVar[str] = ""
-    # Decided by torch's compiler, not by a plan the eager step runs (memory_budget): it needs trainer.compile=true,
-    # and the estimator estimates it only there (trainer.measure.fake.compiled).
-    requires_compile: ClassVar[bool] = False
-
-    @classmethod
-    def not_estimated(cls, compiled: bool) -> str:
-        """What the estimator says instead of an estimate of this policy, or "" where it estimates it."""
-        if cls.requires_compile and not compiled:
-            return "decided by torch.compile's partitioner: estimated under trainer.compile=true"
-        return ""
+    caps: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
@@ -150,7 +184,7 @@ class Policy:
 
     def plan(self, n_layer: int) -> Plan:
         """The blocks' treatments; a treatment's own plan is itself on every block."""
-        if not self.treatment:
+        if not self.caps.treatment:
             raise NotImplementedError(type(self).__name__)
         return Plan.uniform(n_layer, self.name)
 
@@ -159,7 +193,7 @@ class Policy:
 
     def refusal(self, compiled: bool, dropout: bool) -> str | None:
         """Why this policy cannot train this module (compiled or not, drawing dropout or not), or None."""
-        if self.requires_compile and not compiled:
+        if self.caps.requires_compile and not compiled:
             return f"policy {self.name} is decided by torch.compile's partitioner: it needs trainer.compile=true"
         return None
 
@@ -180,26 +214,17 @@ class Policy:
         raise PolicyError(f"policy {self.name} is not planned; its plan is its own")
 
     def callbacks(self, config: Any = None) -> list[Any]:
-        """The Lightning callbacks a run of this policy needs (the classes its `brings` names, each constructed with
-        the policy and `config`), made once per policy object: the run, the checker and the estimator ask the policy
-        and name none. `config`: the run's (auto's planner plans a compiled run from it, on fake tensors)."""
+        """The Lightning callbacks a run of this policy needs (the classes its `caps.brings` names, each constructed
+        with the policy and `config`), made once per policy object: the run, the checker and the estimator ask the
+        policy and name none. `config`: the run's (auto's planner plans a compiled run from it, on fake tensors)."""
         if self._callbacks is None:
-            self._callbacks = [_named(path)(self, config) for path in self.brings]
+            self._callbacks = [_named(path)(self, config) for path in self.caps.brings]
         return self._callbacks
 
     # -- treatments -------------------------------------------------------------------------------------------
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         """Run one segment: `fn(x)` runs its blocks on the residual stream x. `key`: the segment's first block."""
         return fn(x)
-
-    @classmethod
-    def runs_as_is(cls) -> bool:
-        return cls.run is Policy.run
-
-    @classmethod
-    def replays_forward(cls) -> bool:
-        """Runs (part of) its blocks' forward again in backward: a layer's side effects (a KV-cache append) repeat."""
-        return cls.recomputes or cls.recomputes_core
 
     def effective(self, attention: str) -> str:
         """The treatment this one amounts to on a model with this attention (selective without an eager core:
@@ -217,7 +242,7 @@ class Policy:
             return self
         if name not in self._children:
             cls = POLICIES.get(name)
-            if cls is None or not cls.treatment:
+            if cls is None or not cls.caps.treatment:
                 known = ", ".join(treatments())
                 raise PolicyError(f"policy {self.name}: unknown treatment {name!r}; choose from {known}")
             params = (self.cfg.params.get(name) or {}) if isinstance(self.cfg, CompositeConfig) else {}
@@ -274,7 +299,7 @@ def config_node(cls: type[Policy]) -> DictConfig:
 
 def treatments() -> tuple[str, ...]:
     """The registered treatments, in registration order (what per_block and auto may name)."""
-    return tuple(n for n, c in POLICIES.items() if c.treatment)
+    return tuple(n for n, c in POLICIES.items() if c.caps.treatment)
 
 
 def check_treatments(names: Iterable[str], key: str) -> None:
@@ -336,7 +361,7 @@ def resolve_plan(policy: Policy, adapter: DecoderAdapter, planned: Plan | None =
 
 def needs_attention_seam(policy: Policy, n_layer: int) -> bool:
     """Does the policy's plan for n_layer blocks recompute the core attention somewhere (selective)?"""
-    return any(policy.treatment_policy(t).recomputes_core for t in policy.plan(n_layer).treatments)
+    return any(policy.treatment_policy(t).caps.recomputes_core for t in policy.plan(n_layer).treatments)
 
 
 def no_seam_refusal(policy: Policy, model_name: str) -> PolicyError:

@@ -16,7 +16,16 @@ from torch import nn
 
 from models.adapter import DecoderAdapter, adapter_for
 from trainer.errors import PolicyError
-from trainer.policies.base import Plan, Policy, Segment, build_policy, checkpointed, no_seam_refusal, resolve_plan
+from trainer.policies.base import (
+    Plan,
+    Policy,
+    Segment,
+    Treatment,
+    build_policy,
+    checkpointed,
+    no_seam_refusal,
+    resolve_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
     planned = policy.plan(adapter.n_layer)
     plan = resolve_plan(policy, adapter, planned)
     wanted = planned.treatments
-    if not adapter.has_attention_seam and any(policy.treatment_policy(t).recomputes_core for t in wanted):
+    if not adapter.has_attention_seam and any(policy.treatment_policy(t).caps.recomputes_core for t in wanted):
         raise no_seam_refusal(policy, type(model).__name__)
     if any(seg.group for seg in plan.segments) and not adapter.layer_output.groupable:
         raise PolicyError(
@@ -42,7 +51,7 @@ def apply_policy(model: nn.Module, cfg: Policy | Mapping[str, Any] | DictConfig 
         )
     remove_policy(model)
     install_plan(adapter, plan, policy)
-    if any(policy.treatment_policy(s.treatment).replays_forward() for s in plan.segments):
+    if any(policy.treatment_policy(s.treatment).caps.replays_forward for s in plan.segments):
         _no_kv_cache_in_training(model)
     model.activation_policy = policy  # type: ignore[assignment]  # read by the callbacks and summaries
     model.activation_plan = plan  # type: ignore[assignment]
@@ -93,10 +102,10 @@ def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
         )
     for seg in plan.segments:
         tp = policy.treatment_policy(seg.treatment)
-        if tp.recomputes_core:
+        if tp.caps.recomputes_core:
             for i in range(seg.start, seg.stop):
                 adapter.wrap_core_attention(i, checkpointed)
-        if tp.runs_as_is():
+        if type(tp).run is Policy.run:  # runs its blocks as they are (none, selective): nothing to override
             continue
         if seg.group:
             runner = _GroupRunner(adapter, seg, tp)
@@ -109,7 +118,7 @@ def install_plan(adapter: DecoderAdapter, plan: Plan, policy: Policy) -> None:
 
 
 def _run_one(
-    forward: Callable[..., torch.Tensor], tp: Policy, key: int, hidden: torch.Tensor, *args: Any, **kwargs: Any
+    forward: Callable[..., torch.Tensor], tp: Treatment, key: int, hidden: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
     return tp.run(lambda x: forward(x, *args, **kwargs), hidden, key)
 
@@ -120,7 +129,7 @@ class _GroupRunner:
     treatment, each block with its own arguments. Inside the segment (and its recompute in backward) the earlier
     layers are called through the module again, so hooks on them (FSDP2's all-gather) still fire."""
 
-    def __init__(self, adapter: DecoderAdapter, seg: Segment, tp: Policy) -> None:
+    def __init__(self, adapter: DecoderAdapter, seg: Segment, tp: Treatment) -> None:
         self.adapter, self.seg, self.tp = adapter, seg, tp
         self.calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.inside = False

@@ -19,6 +19,7 @@ from trainer.errors import PolicyError
 from trainer.loss import LOSSES
 from trainer.measure.time.flops import count_sac_decision
 from trainer.policies.base import (
+    Capabilities,
     CompositeConfig,
     Plan,
     Policy,
@@ -39,7 +40,7 @@ class NoRecompute(Policy):
     """Store every activation: the fastest step and the memory baseline the others are measured against."""
 
     name = "none"
-    treatment = True
+    caps = Capabilities(treatment=True)
 
 
 @register
@@ -51,8 +52,7 @@ class SelectiveRecompute(Policy):
     """
 
     name = "selective"
-    treatment = True
-    recomputes_core = True
+    caps = Capabilities(treatment=True, recomputes_core=True)
 
     def check(self, n_layer: int, attention: str) -> None:
         if attention == "sdpa":
@@ -113,8 +113,7 @@ class OpLevelSAC(Policy):
     """Per-op selective activation checkpointing (torch's SAC contexts) on every block."""
 
     name = "op_sac"
-    treatment = True
-    recomputes = True
+    caps = Capabilities(treatment=True, recomputes=True)
     Config = OpSacConfig
 
     def __init__(self, cfg: PolicyConfig) -> None:
@@ -295,8 +294,7 @@ class TorchtitanSAC(Policy):
     equal to torchtitan's own, op by op."""
 
     name = "torchtitan_sac"
-    treatment = True
-    recomputes = True
+    caps = Capabilities(treatment=True, recomputes=True)
     Config = TorchtitanSacConfig
 
     def __init__(self, cfg: PolicyConfig) -> None:
@@ -345,8 +343,7 @@ class FullRecompute(Policy):
     """Checkpoint every block: only each block's input (the residual stream) is kept; +1 forward of compute."""
 
     name = "full"
-    treatment = True
-    recomputes = True
+    caps = Capabilities(treatment=True, recomputes=True)
 
     def run(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, key: int) -> torch.Tensor:
         return checkpointed(fn, x)
@@ -420,7 +417,7 @@ class Offload(Policy):
     """Keep every block's activations in pinned host memory, copied on side CUDA streams with prefetch."""
 
     name = "offload"
-    treatment = True
+    caps = Capabilities(treatment=True)
     Config = OffloadConfig
 
     def check(self, n_layer: int, attention: str) -> None:
@@ -464,7 +461,7 @@ class MemoryBudget(Policy):
 
     name = "memory_budget"
     Config = MemoryBudgetConfig
-    requires_compile = True
+    caps = Capabilities(requires_compile=True)
 
     def plan(self, n_layer: int) -> Plan:
         return Plan.uniform(n_layer, "none")
@@ -622,9 +619,11 @@ class Auto(Policy):
 
     name = "auto"
     Config = AutoConfig
-    planned_first = True
-    brings = ("callbacks.planner:AutoPlanCallback",)
-    unplanned = "needs a budget (policy=auto policy.budget_mib=…) to plan"
+    caps = Capabilities(
+        planned_first=True,
+        unplanned="needs a budget (policy=auto policy.budget_mib=…) to plan",
+        brings=("callbacks.planner:AutoPlanCallback",),
+    )
     chosen: tuple[str, ...] | None = None  # the planner's treatments, one per block
 
     def choose(self, block_treatments: Iterable[str]) -> None:
