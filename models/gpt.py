@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +149,13 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    # What a pipeline stage keeps besides its layers (trainer/parallel/pipeline.py): the first the embeddings, the
+    # last the final norm and the head.
+    pipeline_parts: ClassVar[dict[str, tuple[str, ...]]] = {
+        "first": ("transformer.wte", "transformer.wpe", "transformer.drop"),
+        "last": ("transformer.ln_f", "lm_head"),
+    }
+
     @property
     def layers(self) -> nn.ModuleList:
         return self.transformer.h
@@ -180,14 +187,17 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""
-        B, T = idx.shape
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        if self.transformer.wte is None:  # a later pipeline stage (trainer/parallel/pipeline.py): x is the stream
+            x = idx
+        else:
+            pos = torch.arange(T, device=idx.device)
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for layer in self.layers:
             x = layer(x)
-        return self.transformer.ln_f(x)
+        return x if self.transformer.ln_f is None else self.transformer.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, hidden_only: bool = False) -> Any:
         """(logits, loss) — or, with `hidden_only`, the final hidden states alone, for a loss head of its own (a

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +215,13 @@ class Llama(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    # What a pipeline stage keeps besides its layers (trainer/parallel/pipeline.py); every stage keeps the rotary
+    # tables (buffers).
+    pipeline_parts: ClassVar[dict[str, tuple[str, ...]]] = {
+        "first": ("model.embed_tokens",),
+        "last": ("model.norm", "lm_head"),
+    }
+
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
@@ -242,12 +249,13 @@ class Llama(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.config.block_size}")
-        x = self.model.embed_tokens(idx)  # (B, T, C)
+        # a later pipeline stage (trainer/parallel/pipeline.py) has no embedding: its input is the residual stream
+        x = idx if self.model.embed_tokens is None else self.model.embed_tokens(idx)  # (B, T, C)
         # The rotary table in the residual stream's dtype (bf16 weights: bf16), as HF casts it.
         cos, sin = self.model.rope_cos[:T].to(x.dtype), self.model.rope_sin[:T].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.model.norm(x)
+        return x if self.model.norm is None else self.model.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, hidden_only: bool = False) -> Any:
         """(logits, loss) — or, with `hidden_only`, the final hidden states alone, for a loss head of its own (a

@@ -1,0 +1,154 @@
+"""Pipeline stages (trainer/parallel/pipeline.py): a native decoder pruned to consecutive stages and driven by torch's
+own schedules on 2 gloo processes trains as one process does over the same micro-batches."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.errors import ConfigError
+
+VOCAB, T, B, MICRO = 64, 16, 2, 4
+
+
+def _model(family: str, n_layer: int = 4, tie: bool = False) -> torch.nn.Module:
+    from models.gpt import GPT, GPTConfig
+    from models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(GPTConfig(VOCAB, T, n_layer, 4, 32, dropout=0.0, tie_embeddings=tie, attention="eager"))
+    shape = dict(n_embd=32, n_head=4, n_kv_head=2, mlp_hidden=64)
+    return Llama(LlamaConfig(VOCAB, T, n_layer, dropout=0.0, tie_embeddings=tie, attention="eager", **shape))  # type: ignore[arg-type]
+
+
+def _reference(family: str, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the micro-batches one after the other, each loss's backward accumulated, the sum divided by their
+    number (what the schedules do: backward per micro-batch, then scale_grads)."""
+    from models.adapter import adapter_for
+    from trainer.loss import LossConfig, head_loss
+
+    model = _model(family)
+    adapter = adapter_for(model)
+    losses = []
+    for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
+        loss = head_loss(adapter.hidden(xm), adapter.head, ym, LossConfig(), adapter.logit_transform)
+        loss.backward()
+        losses.append(loss.item())
+    grads = {}
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        grads[n] = p.grad.div_(MICRO)
+    return grads, losses
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from trainer.loss import LossConfig
+    from trainer.parallel.pipeline import PipelineStageModule, build_schedule, prune_to_stage, stage_loss
+    from trainer.policies import apply_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, y = (torch.randint(0, VOCAB, (MICRO * B, T), generator=g) for _ in range(2))
+        report: dict[str, Any] = {}
+        for family in ("gpt", "llama"):
+            reference, ref_losses = _reference(family, x, y)
+            for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+                for policy in ("none", "full"):
+                    n_stages = world * virtual
+                    ids = [rank + world * v for v in range(virtual)]  # interleaved: rank r holds r, r + world, …
+                    modules, names = [], {}
+                    for s in ids:
+                        model = _model(family)
+                        names.update({id(p): n for n, p in model.named_parameters()})  # global names, kept by id
+                        apply_policy(prune_to_stage(model, s, n_stages), policy)
+                        modules.append(PipelineStageModule(model))
+                    cpu = torch.device("cpu")
+                    stages = [PipelineStage(m, s, n_stages, cpu) for m, s in zip(modules, ids, strict=True)]
+                    last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
+                    sched = build_schedule(schedule, stages, MICRO, stage_loss(last, LossConfig()))
+                    losses: list[torch.Tensor] = []
+                    if 0 in ids:
+                        sched.step(x)
+                    else:
+                        sched.step(target=y, losses=losses)
+                    held = {names[id(p)]: p.grad for m in modules for p in m.parameters()}
+                    report[f"{family} {schedule} {policy}"] = {
+                        "held": sorted(held),
+                        "unequal": sorted(n for n, grad in held.items() if not torch.equal(grad, reference[n])),
+                        "losses": [loss.item() for loss in losses],
+                        "reference_losses": ref_losses,
+                    }
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_stages_on_two_processes_train_as_one_process_under_each_schedule(tmp_path: Path) -> None:
+    """GPT and LLaMA (4 layers) cut into 2 stages (4 virtual stages for interleaved 1F1B) on 2 gloo ranks, one step of
+    4 micro-batches under torch's GPipe, 1F1B and interleaved 1F1B, with `none` and with `full` on every stage: each
+    rank's gradients equal one process's, accumulated over the same micro-batches, bit for bit; the last stage's
+    losses are the micro-batches' losses; between them the ranks hold every parameter once."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(2, tempfile.mktemp(dir=tmp_path), str(tmp_path)), nprocs=2)
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for case in reports[0]:
+        first, last = reports[0][case], reports[1][case]
+        assert first["unequal"] == [] and last["unequal"] == [], case
+        assert last["losses"] == last["reference_losses"], case
+        held = first["held"] + last["held"]
+        assert len(held) == len(set(held)) == len(set(held) | set(_model(case.split()[0]).state_dict())), case
+
+
+def test_stages_hold_their_layers_and_their_ends() -> None:
+    """Stage 0 of 2 keeps the embedding and the first half of the layers, stage 1 the second half, the final norm and
+    the head; each runs through the model's own forward (token ids in, or the stream)."""
+    from trainer.parallel.pipeline import PipelineStageModule, prune_to_stage, stage_layers
+
+    assert stage_layers(4, 2, 1) == range(2, 4)
+    whole = _model("llama")
+    first, last = prune_to_stage(_model("llama"), 0, 2), prune_to_stage(_model("llama"), 1, 2)
+    assert last.model.embed_tokens is None and first.model.norm is None and first.lm_head is None
+    assert [len(first.layers), len(last.layers)] == [2, 2]
+    x = torch.randint(0, VOCAB, (B, T))
+    with torch.no_grad():
+        stream = PipelineStageModule(first)(x)
+        assert torch.equal(PipelineStageModule(last)(stream), whole(x, hidden_only=True))
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: _prune("llama", 3), "cannot split model.n_layer=4 evenly"),
+        (lambda: _prune("gpt", 2, tie=True), "set model.tie_embeddings=false"),
+        (lambda: _schedule("zero_bubble"), "choose one of gpipe, 1f1b, interleaved_1f1b"),
+    ],
+)
+def test_a_pipeline_that_cannot_be_built_is_one_line(call: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=says) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+def _prune(family: str, n_stages: int, tie: bool = False) -> Any:
+    from trainer.parallel.pipeline import prune_to_stage
+
+    return prune_to_stage(_model(family, tie=tie), 0, n_stages)
+
+
+def _schedule(name: str) -> Any:
+    from trainer.parallel.pipeline import build_schedule
+
+    return build_schedule(name, [], 4, None)

@@ -1,0 +1,110 @@
+"""Pipeline stages: a native decoder cut into consecutive stages, and torch's pipelining schedules driving them.
+
+A stage is the model pruned to its share, as torchtitan prunes its models: every stage keeps its run of consecutive
+layers (`stage_layers`), the first also the embeddings, the last also the final norm and the head (the family's
+`pipeline_parts`); what a stage does not hold is set to None, and the model's own forward runs the pruned model (no
+embedding: its input is the residual stream; no final norm: its output is). A stage's module (`PipelineStageModule`)
+returns the hidden states; the loss head runs on the last stage as the schedule's `loss_fn` (`stage_loss`), so every
+loss head (standard, chunked, fused) works there. A policy installs on a stage through the decoder contract as on
+a whole model; its plan addresses the stage's own blocks.
+
+Near tools: torchtitan's `pipeline_llm` (deletes the layers of a meta-device model and sets its embedding and output
+to None, as here) and torch's `pipeline()` tracer (cuts one traced graph at split points); ours prunes this project's
+modules, so policies, the decoder contract and checkpoint keys stay the model's.
+
+Example::
+
+    stage = PipelineStageModule(prune_to_stage(model, rank, 2))
+    schedule = build_schedule("1f1b", [PipelineStage(stage, rank, 2, device)], 4, stage_loss(stage, loss))
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+
+Known limitations: native families only (a Hugging Face model's forward has no pruned form); tied embeddings (the
+embedding on the first stage, the head on the last) are refused; not yet run by train.py nor estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.adapter import adapter_for
+from trainer.errors import ConfigError
+from trainer.loss import LossConfig, head_loss
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
+    """The global indices of the layers stage `stage` of `n_stages` holds: equal consecutive runs."""
+    if n_stages < 1 or n_layer % n_stages:
+        raise ConfigError(
+            f"{n_stages} pipeline stages cannot split model.n_layer={n_layer} evenly; "
+            f"choose a number of stages that divides {n_layer}"
+        )
+    per = n_layer // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def prune_to_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """Prune `model` in place to stage `stage` of `n_stages` and return it (its layers renumbered from 0; the global
+    indices are `stage_layers`)."""
+    parts = getattr(type(model), "pipeline_parts", None)
+    if parts is None:
+        raise ConfigError(f"{type(model).__name__} cannot be cut into pipeline stages yet; use a native family")
+    if getattr(getattr(model, "config", None), "tie_embeddings", False) and n_stages > 1:
+        raise ConfigError(
+            "tied embeddings put one weight on the first and the last pipeline stage; set model.tie_embeddings=false"
+        )
+    layers = adapter_for(model).layers
+    keep = stage_layers(len(layers), n_stages, stage)
+    kept = [layers[i] for i in keep]
+    del layers[:]
+    layers.extend(kept)
+    for where, names in parts.items():
+        if (where == "first" and stage == 0) or (where == "last" and stage == n_stages - 1):
+            continue
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, None)
+    return model
+
+
+class PipelineStageModule(nn.Module):
+    """One stage as torch's `PipelineStage` runs it: the pruned model's hidden states of its input (token ids on the
+    first stage, the residual stream after)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return adapter_for(self.model).hidden(x)
+
+
+def stage_loss(stage: PipelineStageModule, loss: LossConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The schedule's `loss_fn` on the last stage: the configured loss head on the stage's hidden states."""
+    adapter = adapter_for(stage.model)
+
+    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return head_loss(hidden, adapter.head, targets, loss, adapter.logit_transform)
+
+    return loss_fn
+
+
+def build_schedule(
+    name: str, stages: Sequence[Any], n_microbatches: int, loss_fn: Callable[..., torch.Tensor] | None
+) -> Any:
+    """torch's schedule `name` over this rank's stages (one; several, virtual, for interleaved 1F1B)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(list(stages), n_microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ConfigError(f"schedule {name} runs one stage per rank; interleaved_1f1b runs several")
+    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches, loss_fn=loss_fn)
