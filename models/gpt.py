@@ -183,7 +183,8 @@ class GPT(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if exclude_embeddings else n
+        wpe = self.transformer.wpe  # None on a later pipeline stage
+        return n - wpe.weight.numel() if exclude_embeddings and wpe is not None else n
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids → (B, T, C) final-norm hidden states, the input of the output projection."""

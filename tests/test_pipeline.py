@@ -114,7 +114,8 @@ def test_stages_on_two_processes_train_as_one_process_under_each_schedule(tmp_pa
 
 def test_stages_hold_their_layers_and_their_ends() -> None:
     """Stage 0 of 2 keeps the embedding and the first half of the layers, stage 1 the second half, the final norm and
-    the head; each runs through the model's own forward (token ids in, or the stream)."""
+    the head; each runs through the model's own forward (token ids in, or the stream), and the stages' parameter
+    counts add up to the model's."""
     from trainer.parallel.pipeline import PipelineStageModule, prune_to_stage, stage_layers
 
     assert stage_layers(4, 2, 1) == range(2, 4)
@@ -122,6 +123,8 @@ def test_stages_hold_their_layers_and_their_ends() -> None:
     first, last = prune_to_stage(_model("llama"), 0, 2), prune_to_stage(_model("llama"), 1, 2)
     assert last.model.embed_tokens is None and first.model.norm is None and first.lm_head is None
     assert [len(first.layers), len(last.layers)] == [2, 2]
+    gpt = [prune_to_stage(_model("gpt"), s, 2) for s in range(2)]
+    assert sum(m.num_parameters(exclude_embeddings=True) for m in gpt) == _model("gpt").num_parameters(True)
     x = torch.randint(0, VOCAB, (B, T))
     with torch.no_grad():
         stream = PipelineStageModule(first)(x)
