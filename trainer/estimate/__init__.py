@@ -15,7 +15,8 @@ callback uses. The two figures are therefore the two a run logs: `activation_byt
 `peak_bytes` = memory/peak_total_mib. FLOPs come from torch's FlopCounterMode over the same step.
 
 Inside: `session` (the module on fake tensors, stepped once, and `measure`), `tables` (every policy and loss head),
-`config_plan` (a configuration's plan, for a policy planned before it runs) and `cli` (this command).
+`config_plan` (a configuration's plan, for a policy planned before it runs), `pipeline` (one pipeline rank's step:
+a library call, not yet in the command) and `cli` (this command).
 """
 
 from trainer.estimate.cli import main, parse_bytes, render, to_json

@@ -108,3 +108,27 @@ def build_schedule(
         raise ConfigError(f"schedule {name} runs one stage per rank; interleaved_1f1b runs several")
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(stages[0], n_microbatches, loss_fn=loss_fn)
+
+
+def pipeline_stage(
+    module: PipelineStageModule, stage: int, n_stages: int, micro_batch: tuple[int, int], hidden: int, dtype: Any
+) -> Any:
+    """torch's `PipelineStage` for `module` with its shapes given (static metadata): token ids (micro_batch) into the
+    first stage, the residual stream (micro_batch × hidden, `dtype`) between stages, and the gradients of both.
+    Given, no stage infers them by running a forward first, and a stage on fake tensors runs as a real one does."""
+    from torch.distributed.pipelining import PipelineStage
+
+    device = next(module.parameters()).device
+    stream = torch.empty(*micro_batch, hidden, dtype=dtype, device=device)
+    tokens = torch.empty(*micro_batch, dtype=torch.long, device=device)
+    first, last = stage == 0, stage == n_stages - 1
+    return PipelineStage(
+        module,
+        stage,
+        n_stages,
+        device,
+        input_args=tokens if first else stream,
+        output_args=stream,
+        input_grads=None if first else stream,
+        output_grads=None if last else stream,
+    )

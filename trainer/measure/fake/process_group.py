@@ -74,6 +74,19 @@ def fake_mesh(world: int, device_type: str, tensor_parallel: int = 1) -> tuple[A
     return mesh, (mesh.get_group(0), mesh.get_group(1))
 
 
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int) -> Iterator[None]:
+    """This process as rank `rank` of a fake default group of `world` (a pipeline rank's estimate: its P2P sends and
+    receives go to ranks that do not exist), destroyed on exit."""
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def release(group: Any) -> None:
     """Destroy what `fake_mesh` made (its group, or its groups), so a later estimate, or a run, makes its own."""
     import torch.distributed as dist

@@ -1,0 +1,134 @@
+"""One pipeline rank's step on fake tensors: torch's own schedule over the rank's stages, with torch's fake process
+group, counted by the live-tensor tracker as a run counts it.
+
+What a real gloo or NCCL run does that the fake backend does not, put back so the two count the same: a P2P work keeps
+its tensor while something references the work (1F1B keeps its first forward's send work through the steady state,
+so that micro-batch's stage output outlives its backward); and the schedule's first step, which votes over P2P whether
+every stage has static shapes (it calls `.item()`, which fake tensors refuse), is told the answer: the stages have
+them (`pipeline_stage`).
+
+Near tools: torch's `_PipelineSchedule` runs the same actions on real ranks; torchtitan estimates nothing. Ours is
+that schedule, one rank at a time on fake tensors, so each stage's figure is its own schedule's, micro-batches in
+flight included.
+
+Example::
+
+    peak = estimate_rank(lambda: Llama(cfg), rank=0, world=2, schedule="1f1b", n_microbatches=4,
+                         micro_batch=(2, 16), policy="full", loss=LossConfig())
+
+Known limitations: a bare step (no optimizer, no clipping); torch ≥ 2.13's pipelining internals (`_warmup_p2p`,
+`InferenceMode`); one process with no process group of its own (it becomes rank `rank` of a fake group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.loss import LossConfig
+from trainer.measure.fake.process_group import fake_rank
+from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.parallel.pipeline import PipelineStageModule, build_schedule, pipeline_stage, prune_to_stage, stage_loss
+
+
+def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One schedule step as a rank takes it: the micro-batches' tokens on the first stage's rank, the targets on the
+    last's."""
+    args = (x,) if 0 in ids else ()
+    kwargs: dict[str, Any] = {"target": y, "losses": []} if n_stages - 1 in ids else {}
+    sched.step(*args, **kwargs)
+
+
+class _HeldWork:
+    """A P2P work that keeps its tensor while it is referenced, as a real c10d work does."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs) if self.work is not None else True
+
+
+@contextlib.contextmanager
+def _works_hold_their_tensors() -> Iterator[None]:
+    import torch.distributed.distributed_c10d as c10d
+
+    # Both names: P2POp checks its op against the module's own, the schedules call them through torch.distributed.
+    saved = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+
+    def held(op: Callable[..., Any]) -> Callable[..., Any]:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _HeldWork:
+            return _HeldWork(op(tensor, *args, **kwargs), tensor)
+
+        return call
+
+    try:
+        for name, op in saved.items():
+            setattr(c10d, name, held(op))
+            setattr(dist, name, getattr(c10d, name))
+        yield
+    finally:
+        for name, op in saved.items():
+            setattr(c10d, name, op)
+            setattr(dist, name, op)
+
+
+def estimate_rank(
+    build: Callable[[], nn.Module],
+    rank: int,
+    world: int,
+    schedule: str,
+    n_microbatches: int,
+    micro_batch: tuple[int, int],
+    policy: Any = "none",
+    loss: LossConfig | None = None,
+    virtual: int = 1,
+) -> int:
+    """Bytes at the peak of a steady-state step of pipeline rank `rank` of `world` (its stages rank, rank + world, …
+    for `virtual` stages a rank): the step's own allocations (activations, gradients, P2P buffers) as the live-tensor
+    tracker counts them, `build()` making the whole model (on fake tensors here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    from trainer.policies import apply_policy
+
+    if dist.is_initialized():
+        raise ConfigError("a pipeline rank is estimated outside any process group: call estimate_rank outside a run")
+    loss = loss or LossConfig()
+    n_stages = world * virtual
+    ids = [rank + world * v for v in range(virtual)]
+    with fake_rank(rank, world), FakeTensorMode(), _works_hold_their_tensors():
+        modules = []
+        for s in ids:
+            model = prune_to_stage(build(), s, n_stages)
+            apply_policy(model, policy)
+            modules.append(PipelineStageModule(model))
+        first = next(modules[0].parameters())
+        hidden = modules[0].model.config.n_embd
+        stages = [
+            pipeline_stage(m, s, n_stages, micro_batch, hidden, first.dtype) for m, s in zip(modules, ids, strict=True)
+        ]
+        last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
+        sched = build_schedule(schedule, stages, n_microbatches, stage_loss(last, loss))
+
+        def static(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+            for stage in stages:
+                stage._inference_mode = InferenceMode.STATIC
+
+        sched._warmup_p2p = static
+        vocab = modules[0].model.config.vocab_size
+        x, y = (torch.randint(0, vocab, (n_microbatches * micro_batch[0], micro_batch[1])) for _ in range(2))
+        peak = 0
+        for _ in range(2):  # the second step is the steady state: the first builds the P2P buffers
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            with LiveTensorTracker() as tracker:
+                step_rank(sched, ids, n_stages, x, y)
+            peak = tracker.peak_bytes
+        return peak
