@@ -168,7 +168,6 @@ BYTES_CASES = [
 def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from trainer.estimate.pipeline import step_rank
     from trainer.loss import LossConfig
     from trainer.measure.memory.tracker import LiveTensorTracker
     from trainer.parallel.pipeline import (
@@ -177,6 +176,7 @@ def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
         pipeline_stage,
         prune_to_stage,
         stage_loss,
+        step_rank,
     )
     from trainer.policies import apply_policy
 

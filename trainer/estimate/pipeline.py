@@ -34,15 +34,14 @@ from trainer.errors import ConfigError
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
 from trainer.measure.memory.tracker import LiveTensorTracker
-from trainer.parallel.pipeline import PipelineStageModule, build_schedule, pipeline_stage, prune_to_stage, stage_loss
-
-
-def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One schedule step as a rank takes it: the micro-batches' tokens on the first stage's rank, the targets on the
-    last's."""
-    args = (x,) if 0 in ids else ()
-    kwargs: dict[str, Any] = {"target": y, "losses": []} if n_stages - 1 in ids else {}
-    sched.step(*args, **kwargs)
+from trainer.parallel.pipeline import (
+    PipelineStageModule,
+    build_schedule,
+    pipeline_stage,
+    prune_to_stage,
+    stage_loss,
+    step_rank,
+)
 
 
 class _HeldWork:
@@ -109,11 +108,8 @@ def estimate_rank(
             model = prune_to_stage(build(), s, n_stages)
             apply_policy(model, policy)
             modules.append(PipelineStageModule(model))
-        first = next(modules[0].parameters())
-        hidden = modules[0].model.config.n_embd
-        stages = [
-            pipeline_stage(m, s, n_stages, micro_batch, hidden, first.dtype) for m, s in zip(modules, ids, strict=True)
-        ]
+        dtype, hidden = next(modules[0].parameters()).dtype, modules[0].model.config.n_embd
+        stages = [pipeline_stage(m, s, n_stages, micro_batch, hidden, dtype) for m, s in zip(modules, ids, strict=True)]
         last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
         sched = build_schedule(schedule, stages, n_microbatches, stage_loss(last, loss))
 

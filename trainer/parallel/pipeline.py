@@ -132,3 +132,11 @@ def pipeline_stage(
         input_grads=None if first else stream,
         output_grads=None if last else stream,
     )
+
+
+def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One schedule step as a rank takes it: the micro-batches' tokens on the first stage's rank, the targets on the
+    last's."""
+    args = (x,) if 0 in ids else ()
+    kwargs: dict[str, Any] = {"target": y, "losses": []} if n_stages - 1 in ids else {}
+    sched.step(*args, **kwargs)
