@@ -9,6 +9,7 @@ two agree to the byte on CPU; the assertion holds them within ESTIMATE_TOLERANCE
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -255,6 +256,138 @@ def test_cuda_rules_translate_exactly_what_they_name(compose_cfg: Callable[..., 
     with CudaKernelRules():
         assert torch.nn.functional.dropout is not original
     assert torch.nn.functional.dropout is original  # restored
+
+
+SDPA_LLAMA = ["model=llama-tiny", "model.n_layer=2", "seq_len=32", "batch_size=2", "model.attention=sdpa"]
+
+
+@pytest.mark.parametrize("policy", ["op_sac", "torchtitan_sac", "torchtitan_sac:0.2", "none", "full"])
+def test_cuda_estimate_runs_cuda_attention_and_saves_what_each_policy_names(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """A CUDA estimate on this CPU-only torch runs the attention kernel a GPU runs (flash, for bf16 GQA), so SAC save
+    lists written with CUDA op names apply: every decision a policy made is listed by op, and the attention kernel's
+    is the policy's own answer for `aten._scaled_dot_product_flash_attention`, saved under all three lists. No CPU
+    SDPA kernel runs at all (the whole step's ops are listed too)."""
+    import torch.utils.checkpoint as ckpt
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.policies import library
+
+    decisions: dict[Any, set[Any]] = {}
+
+    def recording(policy_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def decide(ctx: Any, op: Any, *a: Any, **kw: Any) -> Any:
+            decision = policy_fn(ctx, op, *a, **kw)
+            decisions.setdefault(op, set()).add(decision)
+            return decision
+
+        return ckpt.create_selective_checkpoint_contexts(decide, *args, **kwargs)
+
+    monkeypatch.setattr(library, "create_selective_checkpoint_contexts", recording)
+    name, _, version = policy.partition(":")
+    pol = build_policy({"name": name, **({"version": version} if version else {})})
+    ran: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            ran.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    session = open_session(compose_config([*SDPA_LLAMA, "precision=bf16-mixed"]), device="cuda")
+    with Ops():
+        measure(session, pol)
+    assert "aten._scaled_dot_product_flash_attention" in ran
+    assert not any(op.endswith("_for_cpu") or "_for_cpu_" in op for op in ran), sorted(ran)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    if name in ("none", "full"):
+        assert decisions == {}
+        return
+    save = pol.save if name == "torchtitan_sac" else library.resolve_ops(pol.cfg.save_ops)
+    expected = ckpt.CheckpointPolicy.MUST_SAVE if (flash in save or flash.overloadpacket in save) else None
+    assert expected is ckpt.CheckpointPolicy.MUST_SAVE  # every shipped list names the CUDA flash kernel
+    assert decisions[flash] == {expected}
+    assert not any("_for_cpu" in str(op) for op in decisions)
+
+
+def test_cuda_flash_attention_keeps_what_the_cpu_kernel_keeps_and_its_rng_state() -> None:
+    """Counted by hand: CUDA's flash kernel keeps the output and the fp32 log-sum-exp as the CPU's fused kernel does,
+    and its RNG state besides (a (2,) uint64 seed and a () uint64 offset, torch's meta kernel): 24 bytes per layer."""
+    config = compose_config([*SDPA_LLAMA, "precision=bf16-mixed"])
+    cpu = measure(open_session(config, device="cpu"), build_policy("none"))
+    cuda = measure(open_session(config, device="cuda"), build_policy("none"))
+    assert [c - p for c, p in zip(cuda.kept_per_layer, cpu.kept_per_layer, strict=True)] == [24, 24]
+
+
+def test_cuda_estimate_of_fp32_gqa_attention_keeps_the_math_paths_scores() -> None:
+    """fp32 inputs rule flash out and GQA rules torch's memory-efficient kernel out, so a GPU runs the math path.
+    Counted by hand per layer, fp32: the math path keeps the scaled query, the scaled keys and the values repeated
+    to all H heads (B·H·T·D each) and the probabilities (B·H·T²); the CPU's fused kernel keeps the query (B·H·T·D),
+    keys and values at their own heads (B·Hkv·T·D each) and its log-sum-exp (B·H·T). Both keep the attention's
+    output for the output projection: the fused kernel's is already laid out (B, T, H, D), the math path's is
+    copied so by `.contiguous()`."""
+    config = compose_config([*SDPA_LLAMA[:2], "seq_len=16", *SDPA_LLAMA[3:], "precision=32-true"])
+    cpu = measure(open_session(config, device="cpu"), build_policy("none"))
+    cuda = measure(open_session(config, device="cuda"), build_policy("none"))
+    B, H, HKV, T, D = 2, 8, 2, 16, 32
+    kept_math = 3 * B * H * T * D + B * H * T * T
+    kept_fused = B * H * T * D + 2 * B * HKV * T * D + B * H * T
+    diff = (kept_math - kept_fused) * 4
+    assert [c - p for c, p in zip(cuda.kept_per_layer, cpu.kept_per_layer, strict=True)] == [diff, diff]
+
+
+# torch's CUDA dispatch (sdp_utils.cpp, select_sdp_backend) in its default order on sm80+, case by case: the rule each
+# case turns on. q: (2, 8, T=16, head); k and v: (2, kv_heads, 16 or 24, head); causal throughout.
+SDPA_CASES = [
+    ("bf16 GQA: flash runs grouped heads itself", torch.bfloat16, 2, False, 64, 16, None, "flash"),
+    ("fp32: flash is 16-bit only, memory-efficient takes it", torch.float32, 8, False, 64, 16, None, "efficient"),
+    ("fp32 GQA: torch 2.13's memory-efficient kernel has no GQA", torch.float32, 2, False, 64, 16, None, "math"),
+    ("a mask: flash takes none", torch.bfloat16, 8, True, 64, 16, None, "efficient"),
+    ("head size 320 > 256: not flash", torch.bfloat16, 8, False, 320, 16, None, "efficient"),
+    ("head size 36: flash pads it to 40", torch.bfloat16, 8, False, 36, 16, None, "flash"),
+    ("head size 36 in fp32: a multiple of 4, memory-efficient", torch.float32, 8, False, 36, 16, None, "efficient"),
+    ("head size 34 in fp32: not a multiple of 4", torch.float32, 8, False, 34, 16, None, "math"),
+    ("causal with more keys than queries: not flash", torch.bfloat16, 8, False, 64, 24, None, "efficient"),
+    ("flash disabled by the user", torch.bfloat16, 8, False, 64, 16, "EFFICIENT_ATTENTION", "efficient"),
+    ("only math enabled", torch.bfloat16, 8, False, 64, 16, "MATH", "math"),
+]
+
+
+@pytest.mark.parametrize(
+    "why, dtype, kv_heads, mask, head, keys, only, kernel", SDPA_CASES, ids=[c[0] for c in SDPA_CASES]
+)
+def test_cuda_sdpa_picks_the_kernel_torchs_dispatch_picks(
+    why: str, dtype: torch.dtype, kv_heads: int, mask: bool, head: int, keys: int, only: str | None, kernel: str
+) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer.measure.fake.cuda_attention import cuda_sdpa_kernel
+
+    q = torch.empty(2, 8, 16, head, dtype=dtype)
+    k = v = torch.empty(2, kv_heads, keys, head, dtype=dtype)
+    attn_mask = torch.ones(16, keys, dtype=torch.bool) if mask else None
+    causal = attn_mask is None
+    ctx = sdpa_kernel(getattr(SDPBackend, only)) if only else contextlib.nullcontext()
+    with ctx:
+        assert cuda_sdpa_kernel(q, k, v, attn_mask, 0.0, causal, enable_gqa=kv_heads != 8) == kernel, why
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_cuda_math_path_written_out_is_torchs_composite(monkeypatch: pytest.MonkeyPatch, kv_heads: int) -> None:
+    """Under dropout the math path is written out (CUDA's fused dropout); with dropout made the identity, it computes
+    exactly what torch's own composite computes without dropout: upcast, scaling, causal mask, GQA repeat, softmax."""
+    from trainer.measure.fake import cuda_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 32, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, kv_heads, 16, 32, dtype=torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(torch, "native_dropout", lambda x, p, train: (x, torch.ones_like(x, dtype=torch.bool)))
+    written = cuda_attention._math(q, k, v, None, 0.5, True, 0.2, kv_heads != 8)
+    composite = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, None, 0.0, True, scale=0.2, enable_gqa=kv_heads != 8
+    )[0]
+    assert written.dtype == composite.dtype == torch.bfloat16
+    assert torch.equal(written, composite)
 
 
 # ----------------------------------------------------------------------------------------------------

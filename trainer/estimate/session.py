@@ -32,6 +32,7 @@ from trainer.core.resolve import loss_refused_under_tensor_parallel
 from trainer.core.schema import Config, ConfigError
 from trainer.errors import PolicyError
 from trainer.loss import LossConfig
+from trainer.measure.fake.cuda_attention import cuda_sdpa
 from trainer.measure.fake.process_group import fake_mesh, real_mesh_arithmetic, release
 from trainer.measure.memory.caching_allocator import replay
 from trainer.measure.time.collectives import Collectives
@@ -55,9 +56,10 @@ class CudaKernelRules(contextlib.ContextDecorator):
 
     * dropout: CUDA runs the fused `native_dropout`, keeping a 1-byte bool mask; CPU keeps a scaled noise tensor
       in the input dtype. Rule: call `torch.native_dropout` (it runs on CPU too, with the same outputs and mask).
-    * scaled_dot_product_attention with dropout: CUDA's flash / memory-efficient kernels apply dropout inside the
-      kernel (no T×T tensor); on CPU it falls back to the math path, which keeps fp32 T×T probabilities. Rule: run
-      the CPU fused kernel (dropout_p=0), which keeps the same output and log-sum-exp the CUDA kernels keep.
+    * scaled_dot_product_attention: the kernel a CUDA GPU picks (flash, memory-efficient or math), run through its
+      own aten op (trainer/measure/fake/cuda_attention.py), so its saved tensors, FLOPs and op name (what SAC save
+      lists written for a GPU match) are CUDA's; on CPU SDPA runs `_scaled_dot_product_flash_attention_for_cpu`,
+      or with dropout the math path, which keeps fp32 T×T probabilities where CUDA's kernels keep none.
     * softmax / log_softmax under autocast: CUDA autocast computes them in fp32 (its "fp32, set dtype" list);
       CPU autocast leaves them in bf16. Rule: pass dtype=float32 when autocast is on and the input is 16-bit.
 
@@ -73,18 +75,12 @@ class CudaKernelRules(contextlib.ContextDecorator):
 
     def __enter__(self) -> CudaKernelRules:
         self._saved = {n: getattr(F, n) for n in self.NAMES}
-        dropout, sdpa = self._saved["dropout"], self._saved["scaled_dot_product_attention"]
+        dropout = self._saved["dropout"]
 
         def rule_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
             if training and p > 0:
                 return torch.native_dropout(input, p, True)[0]
             return dropout(input, p, training, inplace)
-
-        def rule_sdpa(*args: Any, **kwargs: Any) -> Any:
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            kwargs.pop("dropout_p", None)
-            return sdpa(*args, **kwargs)
 
         def fp32_on_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
             def rule(input: torch.Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
@@ -99,7 +95,7 @@ class CudaKernelRules(contextlib.ContextDecorator):
             return rule
 
         F.dropout = rule_dropout
-        F.scaled_dot_product_attention = rule_sdpa
+        F.scaled_dot_product_attention = cuda_sdpa
         F.softmax = fp32_on_autocast(self._saved["softmax"])
         F.log_softmax = fp32_on_autocast(self._saved["log_softmax"])
         return self
@@ -311,7 +307,8 @@ def _kernels(device: str, notes: list[str]) -> tuple[str, Any]:
         rules = CudaKernelRules()
         notes.append(
             "figures follow the CPU kernels (no CUDA device visible to this torch), translated to CUDA's kernels by "
-            "one rule each: 1-byte dropout masks, fused attention with dropout, fp32 softmax under autocast; "
+            "one rule each: 1-byte dropout masks, attention through the kernel a CUDA GPU picks (flash, "
+            "memory-efficient or math), fp32 softmax under autocast; "
             "not translated: " + "; ".join(UNTRANSLATED_CUDA)
         )
     elif fake_device == "cpu":
