@@ -532,6 +532,8 @@ def test_cli_bad_override_is_one_line_exit_2() -> None:
         (["data.tokenizer=bpe", "data.bpe_vocab_size=10"], "bpe_vocab_size=10 is too small"),  # as the run says
         (["data.tokenizer=model"], "needs model=hf"),
         (["--policies", "bogus"], "--policies"),
+        (["--alloc-conf", "expandable_segments:true"], "write True or False"),  # torch's own spelling
+        (["--alloc-conf", "expandable:True"], "not one of torch's"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:
@@ -651,6 +653,25 @@ def test_a_cuda_estimate_replays_the_caching_allocator() -> None:
             assert est.reserved_bytes % (2 * 2**20) == 0  # whole segments
         else:
             assert est.reserved_bytes is None
+
+
+def test_a_cuda_estimate_replays_the_allocator_as_the_run_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay reads PYTORCH_CUDA_ALLOC_CONF as torch does: expandable segments map 2 and 20 MiB pages where the
+    default mode takes whole segments, so the same step reserves differently, and the estimate says which it is."""
+    config = compose_config(["model=micro", "seq_len=64", "batch_size=256"])  # large-pool requests of many sizes
+    found = {}
+    for setting in ("", "expandable_segments:True"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", setting)
+        session = open_session(config, "cuda")
+        try:
+            found[setting] = measure(session, build_policy(config.policy))
+        finally:
+            session.close()
+    default, expandable = found[""], found["expandable_segments:True"]
+    assert (default.allocator, expandable.allocator) == ("default", "expandable segments")
+    assert any("caching allocator: expandable segments" in n for n in expandable.notes)
+    assert default.peak_bytes == expandable.peak_bytes
+    assert default.reserved_bytes != expandable.reserved_bytes
 
 
 def test_a_compiled_configuration_says_what_its_compiled_estimate_approximates() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -384,6 +385,94 @@ def test_the_allocator_model_fragments_and_merges() -> None:
     b.free(r)  # merged with each other and the free rest: one 100 MiB block again
     b.malloc(90 * MIB)
     assert b.reserved == 100 * MIB and b.segments == 1
+
+
+def _peak_reserved(alloc: Any, ops: list[tuple[str, int, int]]) -> int:
+    """Run ("m", name, bytes) / ("f", name, 0) through an allocator model; its reserved peak."""
+    live = {}
+    for op, name, nbytes in ops:
+        if op == "m":
+            live[name] = alloc.malloc(nbytes)
+        else:
+            alloc.free(live.pop(name))
+    return alloc.peak_reserved
+
+
+# Sequences whose reserved peak is derived by hand from c10/cuda/CUDACachingAllocator.cpp (v2.6.0 line numbers;
+# the expandable rules are the same in later releases): (why, ops, default mode's peak, expandable segments' peak).
+EXPANDABLE_CASES = [
+    (
+        # both: one 20 MiB segment / page (a 3 MiB request is large, under 10 MiB: kLargeBuffer, L2550-2558;
+        # expandable: one 20 MiB page, L2272, L2295-2361); the freed 3 MiB cannot hold 5 MiB, the 14 MiB rest can
+        "reuse within one segment",
+        [("m", 1, 3 * MIB), ("m", 2, 3 * MIB), ("f", 1, 0), ("m", 3, 5 * MIB)],
+        20 * MIB,
+        20 * MIB,
+    ),
+    (
+        # 1.5 MiB is a large request (> kSmallSize 1 MiB), 0.6 MiB a small one: a 20 MiB and a 2 MiB segment, or
+        # one page of each pool's expandable segment (2 MiB pages for the small pool, L2272)
+        "two pools",
+        [("m", 1, 3 * MIB // 2), ("m", 2, 6 * MIB // 10)],
+        22 * MIB,
+        22 * MIB,
+    ),
+    (
+        # default: three 12 MiB segments (≥ 10 MiB: rounded to 2 MiB, L2550-2558), never merged across segments,
+        # so three new 14 MiB ones: 78 MiB. Expandable: the pages are one address range, so the frees merge into
+        # one 40 MiB block (L2474-2505) that the 13 MiB requests split (any rest ≥ 512 B, L2540-2548): 40 MiB
+        "segments merge only when expandable",
+        [("m", i, 12 * MIB) for i in (1, 2, 3)]
+        + [("f", i, 0) for i in (1, 2, 3)]
+        + [("m", i, 13 * MIB) for i in (4, 5, 6)],
+        78 * MIB,
+        40 * MIB,
+    ),
+    (
+        # default: a 22 MiB segment (rounded to 2 MiB); expandable: whole 20 MiB pages, two of them
+        "whole pages",
+        [("m", 1, 22 * MIB)],
+        22 * MIB,
+        40 * MIB,
+    ),
+    (
+        # expandable: A [0,10) B [10,14) free [14,20) in one page; A freed. 6 MiB fits both free blocks; the one
+        # below the unmapped rest counts as itself plus that rest (get_free_block L2570-2588), so A's is cut
+        # (best fit alone would take [14,20)). The 24 MiB request then grows the free [14,20) by one page
+        # (try_allocate_expandable_block L2363-2394): 40 MiB, where taking [14,20) first would have needed two.
+        # Default: a 10 MiB segment, a 20 MiB one for B (its 16 MiB rest split), C in A's, a 24 MiB one for D.
+        "the block below the unmapped rest is taken last",
+        [("m", "A", 10 * MIB), ("m", "B", 4 * MIB), ("f", "A", 0), ("m", "C", 6 * MIB), ("m", "D", 24 * MIB)],
+        54 * MIB,
+        40 * MIB,
+    ),
+]
+
+
+@pytest.mark.parametrize("why, ops, default, expandable", EXPANDABLE_CASES, ids=[c[0] for c in EXPANDABLE_CASES])
+def test_expandable_segments_reserve_what_torchs_rules_give(why: str, ops: Any, default: int, expandable: int) -> None:
+    from trainer.measure.memory.caching_allocator import CachingAllocator, ExpandableSegments
+
+    assert _peak_reserved(CachingAllocator(), ops) == default, why
+    assert _peak_reserved(ExpandableSegments(), ops) == expandable, why
+
+
+def test_the_allocator_setting_is_read_as_torch_reads_it() -> None:
+    from trainer.measure.memory.caching_allocator import AllocatorConf
+
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert AllocatorConf.from_env(env).expandable_segments  # the CUDA variable wins
+    assert not AllocatorConf.from_env({}).expandable_segments
+    conf = AllocatorConf.parse(
+        "max_split_size_mb:128, roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True"
+    )
+    assert conf.expandable_segments and conf.unmodelled == (
+        "max_split_size_mb:128",
+        "roundup_power2_divisions:[256:1,512:2,>:4]",
+    )
+    for bad, says in (("expandable_segments:true", "True or False"), ("expandable:True", "not one of torch's")):
+        with pytest.raises(ValueError, match=says):
+            AllocatorConf.parse(bad)
 
 
 def test_a_replayed_step_reuses_last_steps_blocks() -> None:

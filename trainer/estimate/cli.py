@@ -22,6 +22,7 @@ from trainer.estimate.session import Estimate, Session, estimate_device, group_l
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table, mib
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
+from trainer.measure.memory.caching_allocator import AllocatorConf
 from trainer.measure.time.calibration import REFERENCE_GPU, speed_for
 from trainer.measure.time.roofline import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
 from trainer.policies import POLICIES, Plan, build_policy
@@ -150,7 +151,7 @@ def _memory(est: Estimate) -> list[str]:
             (
                 "reserved by CUDA's caching allocator",
                 est.reserved_bytes,
-                "(memory/peak_reserved_mib: this step replayed through its rules, one stream)",
+                f"(memory/peak_reserved_mib: this step replayed through its rules, one stream, {est.allocator} mode)",
             )
         )
     if est.host_pinned_bytes:
@@ -405,6 +406,12 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--budget", help="device memory the step must fit in: 40GB (10⁹ bytes), 40GiB (2³⁰ bytes), 40000MiB"
     )
+    parser.add_argument(
+        "--alloc-conf",
+        metavar="SETTINGS",
+        help="the CUDA caching allocator's settings the run will have, in PYTORCH_CUDA_ALLOC_CONF's syntax "
+        "(expandable_segments:True); default: this environment's PYTORCH_CUDA_ALLOC_CONF (else PYTORCH_ALLOC_CONF)",
+    )
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure here as JSON")
     parser.add_argument(
         "--device",
@@ -568,6 +575,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--max-world {args.max_world}: give 2 to {MAX_WORLD}")
         reserve = Reserve.parse(args.reserve) if args.fit else None
         gpus = list(load_catalogue(args.catalogue).values()) if args.fit else []
+        if args.alloc_conf is not None:
+            AllocatorConf.parse(args.alloc_conf)  # a bad setting: one line, before any work
+            # the run reads the environment; so does every session of this process and of its workers
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
         if args.gpu and args.device == "cpu":
             raise ValueError(f"--gpu {args.gpu} predicts a GPU's step time: drop --device cpu (it implies cuda)")
         if args.gpu:

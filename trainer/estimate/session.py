@@ -34,7 +34,7 @@ from trainer.errors import PolicyError
 from trainer.loss import LossConfig
 from trainer.measure.fake.cuda_attention import cuda_sdpa
 from trainer.measure.fake.process_group import fake_mesh, real_mesh_arithmetic, release
-from trainer.measure.memory.caching_allocator import replay
+from trainer.measure.memory.caching_allocator import AllocatorConf, replay
 from trainer.measure.time.collectives import Collectives
 from trainer.measure.time.op_trace import OpTrace, Work
 from trainer.measure.time.roofline import Speed, StepTime
@@ -144,6 +144,7 @@ class Estimate:
     # (trainer/measure/memory/caching_allocator.py), what
     # torch.cuda.max_memory_reserved() reports and trainers print; None for a CPU estimate
     reserved_bytes: int | None = None
+    allocator: str = ""  # the allocator mode that replay modelled: "default" | "expandable segments" ("" on cpu)
 
     def step_time(self, speed: Speed) -> StepTime:
         """The step's predicted time on `speed`'s device (trainer.measure.time.roofline)."""
@@ -186,6 +187,8 @@ class Session:
     tensor_parallel: int = 1  # the ranks each layer is split over (trainer.tensor_parallel)
     host: HostLedger = field(default_factory=HostLedger)  # offload's host copies (device cuda), per measure
     group: Any = None  # trainer=fsdp2: the fake process group(s) this session made, destroyed by close()
+    # --device cuda: the caching allocator's settings the run will have (PYTORCH_CUDA_ALLOC_CONF, as torch reads it)
+    alloc_conf: AllocatorConf = field(default_factory=AllocatorConf.from_env)
 
     @property
     def offloads(self) -> bool:
@@ -536,6 +539,10 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
     work.prefetch = bool(policy.treatment_policy("offload").cfg.prefetch)
     work.collectives = _collectives(session)
     fwd = forward.get("flops", 0) * accum
+    reserved = None
+    if session.device == "cuda":
+        reserved = replay(figures.events, figures.adopted, session.alloc_conf).peak_reserved
+        notes.append(session.alloc_conf.describe() + " (PYTORCH_CUDA_ALLOC_CONF, or --alloc-conf)")
     layers = [figures.after_forward.get(f"layer {i}", 0) for i in range(module.adapter.n_layer)]
     return Estimate(
         policy=policy.cfg.name,
@@ -559,7 +566,8 @@ def measure(session: Session, policy: Policy, loss: LossConfig | None = None) ->
         host_pinned_bytes=session.host.peak,
         work=work,
         tokens=accum * session.config.batch_size * session.config.seq_len,
-        reserved_bytes=replay(figures.events, figures.adopted).peak_reserved if session.device == "cuda" else None,
+        reserved_bytes=reserved,
+        allocator=("expandable segments" if session.alloc_conf.expandable_segments else "default") if reserved else "",
     )
 
 

@@ -1,11 +1,12 @@
 """What CUDA's caching allocator reserves for a step's tensors: the step's allocations and frees, replayed through a
-model of torch's `CUDACachingAllocator` (its default configuration), so an estimate on fake tensors can be set
-beside `torch.cuda.max_memory_reserved()` — the figure trainers print (torchtitan's `reserved_bytes.all.peak`).
+model of torch's `CUDACachingAllocator` (its default configuration, or `expandable_segments:True`: see
+`ExpandableSegments` and `AllocatorConf`), so an estimate on fake tensors can be set beside
+`torch.cuda.max_memory_reserved()`, the figure trainers print (torchtitan's `reserved_bytes.all.peak`).
 
 Why a replay, not a margin: what the allocator holds beyond the live tensors is fragmentation, and that depends on
 the order and sizes of what the step allocates. The allocator keeps every segment it took from the driver (nothing
 is returned without `empty_cache` or an out-of-memory retry), so its reserved peak is the most segment bytes ever
-held. The rules modelled, as torch's allocator applies them with no `PYTORCH_CUDA_ALLOC_CONF`:
+held. The rules modelled for the default mode, as torch's allocator applies them with no `PYTORCH_CUDA_ALLOC_CONF`:
 
 - every request rounds up to a multiple of 512 bytes; requests up to 1 MiB come from the small pool, larger ones
   from the large pool;
@@ -16,8 +17,9 @@ held. The rules modelled, as torch's allocator applies them with no `PYTORCH_CUD
 - a freed block merges with free neighbours of its segment; segments are kept.
 
 Not modelled (say so beside the figure): one stream only — FSDP2 all-gathers and reduce-scatters on streams of
-their own, whose cached blocks the compute stream cannot reuse, so a real run reserves somewhat more; expandable
-segments and `max_split_size_mb` (off by default); the CUDA context, cuBLAS workspaces and NCCL's buffers, which
+their own, whose cached blocks the compute stream cannot reuse (each stream has its own segments, expandable ones
+too), so a real run reserves somewhat more; `max_split_size_mb` and the other keys `AllocatorConf` names as not
+modelled; the CUDA context, cuBLAS workspaces and NCCL's buffers, which
 `max_memory_reserved` does not count either.
 
 The steady state: the step is replayed twice. Storages alive before the step and freed inside it (last step's
@@ -31,8 +33,11 @@ on a real GPU, which is what this replay is held against when a GPU is lent.
 from __future__ import annotations
 
 import bisect
+import math
+import os
+import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -98,19 +103,12 @@ class CachingAllocator:
     def malloc(self, nbytes: int) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1, -1))
-        if i < len(pool):
-            block = self._by_key[pool[i]]
-            self._remove(block, small)
-        else:
-            seg = segment_size(size)
-            self.segments += 1
-            block = _Block(self.segments, 0, seg, small)
-            self.reserved += seg
+        block = self._cached(size, small)
+        if block is None:
+            block = self._from_driver(size, small)
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = block.size - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+        if self._splits(rest, small):
             tail = _Block(block.segment, block.offset + size, rest, small, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
@@ -121,7 +119,29 @@ class CachingAllocator:
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
-    def free(self, block: _Block) -> None:
+    def _cached(self, size: int, small: bool) -> _Block | None:
+        """get_free_block: the smallest free block of the pool that holds `size` (best fit), taken out of it."""
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i == len(pool):
+            return None
+        block = self._by_key[pool[i]]
+        self._remove(block, small)
+        return block
+
+    def _from_driver(self, size: int, small: bool) -> _Block:
+        """alloc_block: a new segment of `segment_size`, counted as reserved."""
+        seg = segment_size(size)
+        self.segments += 1
+        self.reserved += seg
+        return _Block(self.segments, 0, seg, small)
+
+    def _splits(self, rest: int, small: bool) -> bool:
+        """should_split: a small block's rest of 512 bytes or more, a large block's of more than 1 MiB."""
+        return rest >= MIN_BLOCK if small else rest > SMALL_SIZE
+
+    def free(self, block: _Block) -> _Block:
+        """Free `block`, merged with its free neighbours; the merged free block."""
         small = block.small
         block.free = True
         self.allocated -= block.size
@@ -140,6 +160,78 @@ class CachingAllocator:
                     if neighbour.next is not None:
                         neighbour.next.prev = block
         self._insert(block, small)
+        return block
+
+
+@dataclass
+class ExpandableSegments(CachingAllocator):
+    """The model under `expandable_segments:True`: one segment per pool (per stream: one stream here) that grows at
+    its end in pages, 2 MiB for the small pool and 20 MiB for the large one, instead of a new segment per miss.
+
+    The rules, from torch's c10/cuda/CUDACachingAllocator.cpp (v2.6.0 line numbers; unchanged in later releases
+    where noted in the docs):
+
+    - best fit among the mapped free blocks, where a free block just below the unmapped rest of the segment counts
+      as itself plus that rest, so any other free block that holds the request is taken first (get_free_block,
+      L2570-2588, `expandable_size`);
+    - with none, the segment grows: if its last mapped block is free, by the pages the request lacks beyond it,
+      merged with it; else by the pages the whole request needs (find_expandable_block L2239-2293,
+      try_allocate_expandable_block L2363-2394, map_block L2295-2361: whole pages, `ExpandableSegment::map`);
+    - every rest of 512 bytes or more is split off, in both pools (should_split L2540-2548);
+    - frees merge with free neighbours as in the default mode; nothing is unmapped without `empty_cache` or an
+      out-of-memory retry (unmap_block is reached only from release_cached_blocks, L2859-2905), and reserved counts
+      the mapped pages (map_block L2337-2341).
+    """
+
+    _last: dict[bool, _Block | None] = field(default_factory=lambda: {True: None, False: None})
+
+    def _cached(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i == len(pool):
+            return None
+        while i + 1 < len(pool) and self._expandable(pool[i + 1]) < self._expandable(pool[i]):
+            i += 1
+        block = self._by_key[pool[i]]
+        self._remove(block, small)
+        return block
+
+    def _expandable(self, key: tuple[int, int, int]) -> float:
+        block = self._by_key[key]
+        return math.inf if block.next is None else block.size  # the last mapped block: the segment's rest too
+
+    def _from_driver(self, size: int, small: bool) -> _Block:
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        last = self._last[small]
+        if last is not None and last.free:
+            self._remove(last, small)
+            grow = page * -(-(size - last.size) // page)
+            last.size += grow
+            block = last
+        else:
+            grow = page * -(-size // page)
+            offset = 0 if last is None else last.offset + last.size
+            block = _Block(1 if small else 2, offset, grow, small, True, last, None)
+            if last is not None:
+                last.next = block
+        self.reserved += grow
+        self._last[small] = block
+        return block
+
+    def _splits(self, rest: int, small: bool) -> bool:
+        return rest >= MIN_BLOCK
+
+    def malloc(self, nbytes: int) -> _Block:
+        block = super().malloc(nbytes)
+        if block.next is not None and block.next.next is None:  # the last block split: its rest is now last
+            self._last[block.small] = block.next
+        return block
+
+    def free(self, block: _Block) -> _Block:
+        merged = super().free(block)
+        if merged.next is None:
+            self._last[merged.small] = merged
+        return merged
 
 
 @dataclass(frozen=True)
@@ -150,7 +242,64 @@ class Reserved:
     peak_allocated: int
 
 
-def replay(events: Sequence[tuple[int, int]], adopted: Iterable[int]) -> Reserved:
+# PYTORCH_CUDA_ALLOC_CONF's keys (c10/core/AllocatorConfig.h, c10/cuda/CUDAAllocatorConfig.h) that the replay does
+# not model: set, they are named beside the figure
+UNMODELLED_KEYS = (
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "large_segment_size_mb",
+    "backend",
+)
+ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the first set wins, as torch 2.13 reads them
+
+
+@dataclass(frozen=True)
+class AllocatorConf:
+    """The caching allocator's settings, as torch reads them from `PYTORCH_CUDA_ALLOC_CONF` (else
+    `PYTORCH_ALLOC_CONF`): comma-separated `key:value` pairs. The replay models `expandable_segments`; the keys it
+    does not model are kept to be named."""
+
+    expandable_segments: bool = False
+    unmodelled: tuple[str, ...] = ()
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> AllocatorConf:
+        """'expandable_segments:True,max_split_size_mb:128'; torch's spelling (True/False, capitalised)."""
+        expandable, unmodelled = False, []
+        for pair in filter(None, (p.strip() for p in re.split(r",(?![^\[]*\])", text))):
+            key, sep, value = (x.strip() for x in pair.partition(":"))
+            if not sep or not value:
+                raise ValueError(f"allocator setting {pair!r}: write key:value, such as expandable_segments:True")
+            if key == "expandable_segments":
+                if value not in ("True", "False"):
+                    raise ValueError(f"expandable_segments:{value}: write True or False, as torch expects")
+                expandable = value == "True"
+            elif key in UNMODELLED_KEYS:
+                if not (key == "backend" and value == "native"):
+                    unmodelled.append(f"{key}:{value}")
+            else:
+                known = ", ".join(("expandable_segments", *UNMODELLED_KEYS))
+                raise ValueError(f"allocator setting {key!r} is not one of torch's: {known}")
+        return cls(expandable, tuple(unmodelled), text)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AllocatorConf:
+        environ = os.environ if environ is None else environ
+        for var in ENV_VARS:
+            if environ.get(var):
+                return cls.parse(environ[var])
+        return cls()
+
+    def describe(self) -> str:
+        mode = "expandable segments" if self.expandable_segments else "the default (no expandable segments)"
+        left = f"; not modelled: {', '.join(self.unmodelled)}" if self.unmodelled else ""
+        return f"caching allocator: {mode}{left}"
+
+
+def replay(events: Sequence[tuple[int, int]], adopted: Iterable[int], conf: AllocatorConf | None = None) -> Reserved:
     """Replay a tracked step (the live-tensor tracker's (record, signed byte delta) events; `adopted`: the records
     that existed before it) through the caching allocator, twice, and return the second pass's peaks."""
     adopted = set(adopted)
@@ -165,7 +314,7 @@ def replay(events: Sequence[tuple[int, int]], adopted: Iterable[int]) -> Reserve
     carried_in = {r for r in adopted if r not in final}  # freed inside the step (last step's gradients)
     carried_out = [r for r in final if r not in adopted]  # made inside it and alive at its end (this step's)
 
-    alloc = CachingAllocator()
+    alloc = ExpandableSegments() if conf is not None and conf.expandable_segments else CachingAllocator()
     blocks: dict[int, _Block] = {}
     current: dict[int, int] = defaultdict(int)
     kept: dict[int, list[_Block]] = defaultdict(list)  # the first pass's carried-out blocks, by size
