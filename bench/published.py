@@ -11,8 +11,9 @@ Rows:
   precision=bf16-mixed (FSDP2's MixedPrecisionPolicy, as torchtitan), policy=torchtitan_sac with the save list of
   its releases up to 0.2 (policy.version=0.2), on the catalogue's H100-96GB. Its memory column is the peak
   *reserved* bytes (torchtitan prints `reserved_bytes.all.peak`): set beside our replay of CUDA's caching
-  allocator, and our tensors' peak (what `max_memory_allocated` would be) beside that. The compile and Float8 rows
-  are listed, not estimated: the estimator's compiled step runs on one device (not FSDP2), and has no Float8.
+  allocator with expandable segments, as torchtitan's launcher sets it, and our tensors' peak (what
+  `max_memory_allocated` would be) beside that. The compile and Float8 rows are listed, not estimated: the
+  estimator's compiled step runs on one device (not FSDP2), and has no Float8.
 - torchtitan PR 2570 (graph-based SAC, 2026-03): Llama-3-8B on FSDP 4 × TP 2, no AC and eager per-op SAC, as its
   log lines give them (memory: torchtitan's peak reserved; tps: a TP group's tokens per second over its GPUs). The
   PR names the layout and the model only: the rest is torchtitan's own Llama-3-8B configuration at the release the
@@ -43,6 +44,7 @@ from trainer.core.schema import compose_config
 from trainer.estimate import measure, open_session
 from trainer.formatting import markdown_table
 from trainer.measure.gpus import find_gpu
+from trainer.measure.memory.caching_allocator import AllocatorConf
 from trainer.measure.time.op_trace import OpTrace
 from trainer.measure.time.roofline import Speed, gpu_speed
 from trainer.parallel import tensor as tensor_parallel
@@ -104,6 +106,9 @@ LAYER = [
     "trainer.devices=8",
     "trainer.tensor_parallel=8",
 ]
+# torchtitan's launcher (run_train.sh) runs every training with the caching allocator's expandable segments
+# (PYTORCH_CUDA_ALLOC_CONF, later PYTORCH_ALLOC_CONF): its reserved figures are that mode's
+TORCHTITAN_ALLOC_CONF = "expandable_segments:True"
 LAYER_GPU = "A100-80GB"
 # (policy, sequence parallelism, forward ms, backward ms, combined ms) of one layer per GPU, published
 KORTHIKANTI_TABLE = (
@@ -133,6 +138,7 @@ def torchtitan_row(overrides: list[str]) -> TitanRow:
         gpu, tflops={k: v * TORCHTITAN_LOW_TFLOPS / gpu.tflops["bf16"] for k, v in gpu.tflops.items()}
     )
     session = open_session(config, "cuda")
+    session.alloc_conf = AllocatorConf.parse(TORCHTITAN_ALLOC_CONF)
     try:
         est = measure(session, build_policy(config.policy))
     finally:
@@ -220,9 +226,8 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
         f"--gpu {TORCHTITAN_GPU}` (the PR names the layout only: local batch 1 × 8192, the precision, sequence and "
         "loss parallelism are torchtitan 0.3.0's own Llama-3-8B configuration; eager SAC is `torchtitan_sac` with "
         "0.3's save list). Tokens per second per GPU as torchtitan counts them, a tensor-parallel group's over its "
-        "two GPUs. Known apart: on this CPU-only torch the estimate runs the CPU's attention kernel, which "
-        "torchtitan's save list does not name, so our SAC recomputes attention where theirs saves the CUDA kernel's "
-        "output (less memory, more time in ours); their torch is of March 2026."
+        "two GPUs. Their torch is of March 2026, ours 2.13; attention runs as CUDA's flash kernel (what torch's "
+        "default order picks for these bf16 inputs), which their save list names."
     )
     layer: dict[tuple[str, bool], tuple[float, float]] = out["layer"]
     both = {k: sum(t) for k, t in layer.items()}
@@ -249,8 +254,9 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
         f"Llama-3.1-8B on 8 GPUs, local batch 2 × 8192, as `python -m trainer.estimate {' '.join(TORCHTITAN_ROW)} "
         f"--gpu {TORCHTITAN_GPU}`: {titan.step_ms:,.0f} ms a step, {titan.exposed_collective_ms:,.0f} ms of it "
         "FSDP2 collectives left exposed. Their memory is the peak reserved by CUDA's caching allocator; ours reserved "
-        "is this step replayed through that allocator's rules on one stream (FSDP2's collective streams keep blocks "
-        "of their own, so a real run reserves somewhat more); ours allocated is the step's tensors. Their H100 is the "
+        "is this step replayed through that allocator's rules on one stream, with expandable segments as torchtitan's "
+        "launcher sets them (FSDP2's collective streams keep blocks of their own, so a real run reserves somewhat "
+        "more); ours allocated is the step's tensors. Their H100 is the "
         "96 GB HBM2e part capped at 500 W: 2.4 TB/s, as the benchmark states, and a peak throughput it gives only "
         "as between the SXM's and the NVL's, so ours is at both ends: the SXM5's 989 dense bf16 TFLOP/s (the "
         f"catalogue's, as torchtitan's MFU takes it) and the NVL's {TORCHTITAN_LOW_TFLOPS:g}."
