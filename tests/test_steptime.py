@@ -102,6 +102,12 @@ def test_fsdp2_collectives_are_costed_on_the_gpu_link_with_the_first_and_last_ex
         collectives.Collectives.fsdp2([100], 50, world=1, param_bytes=2, reduce_bytes=4, micro_batches=1).sent_bytes
         == 0
     )
+    # the last layer kept gathered after the forward (torchtitan's rule): not gathered again, and the backward's
+    # first all-gather (the next layer's) hides behind the last layer's backward
+    kept = collectives.Collectives.fsdp2([100, 100, 100], 50, 4, 2, 4, 2, resharded=[True, True, False])
+    assert kept.sent_bytes == int((350 * 2 + 200 * 2 + 350 * 4) * 3 / 4) * 2
+    assert kept.exposed_bytes == int(((50 + 100) * 2 + (50 + 100) * 4) * 3 / 4) * 2
+    assert (kept.all_gathers, kept.reduce_scatters) == ((4 + 2) * 2, 4 * 2)
     speed = Speed("t", {"fp32": ((1.0, 1e9),)}, {"memory": ((1.0, 1e9),)}, 0.0, 0.0, 0.0, gpu_link=1e9, overlapped=True)
     work = Work()
     work.ops[OpKey("matmul", "fp32", 10_000_000, 0)] = 1  # 10 ms of compute
@@ -145,7 +151,7 @@ def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move(monkey
 
     op_trace_classify = op_trace.classify
     monkeypatch.setattr(op_trace, "classify", classify)
-    sent = {}
+    sent, moved = {}, {}
     for mode in ("fsdp2", "autocast"):
         config = compose_config(
             ["model=micro", "seq_len=16", "batch_size=2", "trainer=fsdp2", "precision=bf16-mixed"]
@@ -154,24 +160,92 @@ def test_an_fsdp2_estimate_carries_its_collectives_in_the_dtype_they_move(monkey
         session = open_session(config, "cuda")
         try:
             est = measure(session, build_policy(config.policy))
-            layers = [sum(p.numel() for p in layer.parameters()) for layer in session.module.adapter.layers]
-            total = sum(p.numel() for p in session.module.model.parameters())
         finally:
             session.close()
         c = est.work.collectives
-        param = 2 if mode == "fsdp2" else 4
-        expected = collectives.Collectives.fsdp2(layers, total - sum(layers), 2, param, 4, 1)
-        assert c == expected and c.sent_bytes > 0
+        assert c.sent_bytes > 0 and c.all_gathered_bytes > 0
         sent[mode] = c.sent_bytes
+        moved[mode] = (c.all_gathered_bytes, c.reduce_scattered_bytes)
         t = est.step_time(roofline.gpu_speed(load_catalogue()["H100-80GB"]))
         assert t.collective_ms > 0 and t.exposed_collective_ms > 0
     assert sent["fsdp2"] < sent["autocast"]
+    # bf16 gathers under FSDP2's policy, fp32 ones over fp32 shards under autocast; fp32 gradients reduced in both
+    assert moved["autocast"] == (2 * moved["fsdp2"][0], moved["fsdp2"][1])
     # charged once: on the link by Collectives, not also as memory-bound kernels in the trace
     names = {n for n, _ in seen}
     assert {"_allgather_base_", "_reduce_scatter_base_"} <= names and {k for _, k in seen} == {"free"}, seen
     # and the copies around them charged what they read and write, each tensor once
     assert {"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "_foreach_copy_"} <= {c[0] for c in copies}
     assert all(charged == moved for _, charged, moved in copies), copies
+
+
+COLLECTIVE_CONFIG = ["model=micro", "model.n_layer=3", "seq_len=16", "batch_size=2", "trainer=fsdp2"]
+
+
+def _collectives_worker(rank: int, world: int, store: str, out: str, overrides: list[str]) -> None:
+    """A real FSDP2 rank on gloo, as train.py configures it: one micro-batch's forward and backward, its collectives
+    counted by torch's CommDebugMode and sized from the c10d ops' own tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.core import build
+    from trainer.core.schema import compose_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        config = compose_config(overrides)
+        module = build.module(config, "none", vocab_size=256, hf_config=None, precision=config.precision)
+        module._device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+        module.configure_model()
+        sizes: dict[str, int] = {"_allgather_base_": 0, "_reduce_scatter_base_": 0}
+
+        class Sizes(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                name = func._overloadpacket.__name__
+                if name in sizes:  # (output, input): an all-gather's whole output, a reduce-scatter's whole input
+                    whole = args[0] if name == "_allgather_base_" else args[1]
+                    sizes[name] += whole.numel() * whole.element_size()
+                return func(*args, **(kwargs or {}))
+
+        batch = (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+        with CommDebugMode() as comms, Sizes():  # bf16-mixed under FSDP2: its MixedPrecisionPolicy, no autocast
+            module.loss_of(batch).backward()
+        counts = {str(k): v for k, v in comms.get_comm_counts().items()}
+        Path(out, f"{rank}.json").write_text(json.dumps({"counts": counts, "sizes": sizes}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_collectives_model_counts_what_a_real_fsdp2_rank_runs(tmp_path: Path, precision: str) -> None:
+    """The estimate's FSDP2 collectives (Collectives.fsdp2, from each layer's resharding as configure_model set it)
+    against a real 2-rank FSDP2 step on gloo, counted by torch's CommDebugMode: the same number of all-gathers and
+    reduce-scatters, and the same bytes gathered and reduced. The last layer is not resharded after the forward
+    (torchtitan's rule), so the backward gathers one layer fewer than the forward."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from trainer.core.schema import compose_config
+    from trainer.estimate import measure, open_session
+    from trainer.policies import build_policy
+
+    overrides = [*COLLECTIVE_CONFIG, f"precision={precision}"]
+    mp.spawn(_collectives_worker, args=(2, tempfile.mktemp(dir=tmp_path), str(tmp_path), overrides), nprocs=2)
+    run = json.loads((tmp_path / "0.json").read_text())
+    session = open_session(compose_config(overrides), "cuda")
+    try:
+        model = measure(session, build_policy("none")).work.collectives
+    finally:
+        session.close()
+    gathers = run["counts"].get("c10d._allgather_base_", 0) + run["counts"].get("c10d.allgather_", 0)
+    reduces = run["counts"].get("c10d._reduce_scatter_base_", 0) + run["counts"].get("c10d.reduce_scatter_", 0)
+    assert (model.all_gathers, model.reduce_scatters) == (gathers, reduces) == (3 + 1 + 2, 3 + 1), run
+    assert model.all_gathered_bytes == run["sizes"]["_allgather_base_"]
+    assert model.reduce_scattered_bytes == run["sizes"]["_reduce_scatter_base_"]
 
 
 def test_rates_are_interpolated_log_log_and_flat_beyond_the_ends() -> None:

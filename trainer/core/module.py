@@ -155,8 +155,11 @@ class DecoderModule(L.LightningModule):
             kwargs: dict[str, Any] = {"shard_placement_fn": tensor_parallel.fsdp_placement}
             if self.fsdp_param_dtype is not None:
                 kwargs["mp_policy"] = mp_policy(self.fsdp_param_dtype)
-            for layer in self.adapter.layers:
-                fully_shard(layer, mesh=dp_mesh, **kwargs)
+            layers = list(self.adapter.layers)
+            for i, layer in enumerate(layers):
+                # torchtitan's default: the last block keeps its parameters gathered after the forward, since the
+                # backward starts with it and would gather them again at once (FSDP2's root keeps its own too)
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=i < len(layers) - 1, **kwargs)
                 settle_on_gloo(layer, dp_mesh.get_group())
             fully_shard(self.model, mesh=dp_mesh, **kwargs)
             settle_on_gloo(self.model, dp_mesh.get_group())

@@ -452,8 +452,12 @@ def _collectives(session: Session) -> Collectives:
     own = next(p for p in module.model.parameters()).dtype
     param = module.fsdp_param_dtype or own
     reduce = torch.float32 if module.fsdp_param_dtype is not None else own
+    # what configure_model set on each layer (fully_shard's reshard_after_forward): read back, not assumed
+    resharded = [
+        layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for layer in module.adapter.layers
+    ]
     return Collectives.fsdp2(
-        units, total - sum(units), session.world, param.itemsize, reduce.itemsize, session.config.accum
+        units, total - sum(units), session.world, param.itemsize, reduce.itemsize, session.config.accum, resharded
     )
 
 
