@@ -674,6 +674,21 @@ def test_a_cuda_estimate_replays_the_allocator_as_the_run_sets_it(monkeypatch: p
     assert default.reserved_bytes != expandable.reserved_bytes
 
 
+def test_a_compiled_estimate_where_a_gpu_is_visible_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only inductor's C++ paths are replaced for fake tensors: with a CUDA device visible the compiled estimate would
+    run on fake CUDA tensors and inductor would emit Triton kernels and launch them. Until that path runs on a GPU,
+    it refuses before anything is built, naming the way round (the GPU hidden: the CPU's step translated)."""
+    config = compose_config(["model=micro", "seq_len=16", "batch_size=2", "trainer.compile=true"])
+    if not torch.cuda.is_available():  # the refusal depends only on a visible device: shown as a GPU host sees it
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=") as e:
+        open_session(config, "cuda")
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    if not torch.cuda.is_available():  # hidden (here: none), the translated compiled estimate opens
+        open_session(config, "cuda").close()
+
+
 def test_a_compiled_configuration_says_what_its_compiled_estimate_approximates() -> None:
     """Under trainer.compile=true the estimate is the compiled step's (tests/test_compiled.py), and says what it
     leaves out (memory a kernel takes inside itself); an FSDP2 configuration under compile is refused in one line."""

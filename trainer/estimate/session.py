@@ -342,6 +342,12 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
 
     from trainer.core import build
 
+    if config.trainer.compile and estimate_device(config, device) == "cuda" and torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.compile=true is not estimated where a CUDA device is visible yet (inductor would compile Triton "
+            "kernels and launch them on fake tensors): estimate it with the GPU hidden, CUDA_VISIBLE_DEVICES= python "
+            "-m trainer.estimate ... --device cuda, which translates the CPU's compiled step to CUDA's kernels"
+        )
     facts = build.resolve(config, estimate_device(config, device), estimate=True)
     device, chosen, hf_config, vocab, world = facts.device, facts.precision, facts.hf_config, facts.vocab, facts.world
     notes: list[str] = []
