@@ -24,7 +24,7 @@ from trainer.formatting import MIB, flops_text, markdown_table, mib
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
 from trainer.measure.memory.caching_allocator import AllocatorConf
 from trainer.measure.time.calibration import REFERENCE_GPU, speed_for
-from trainer.measure.time.roofline import GPU_BANDWIDTH_EFFICIENCY, GPU_MATMUL_EFFICIENCY, Speed, StepTime, gpu_speed
+from trainer.measure.time.roofline import Speed, StepTime, gpu_speed
 from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -80,6 +80,13 @@ def render(
             f"step time predicted (not measured) for {speed.name}, by the roofline of trainer.measure.time.roofline:"
         ]
         lines += [f"  assumption: {a}" for a in speed.assumptions]
+        mid, slow, fast = speed.predict_range(est.work)
+        if speed.ends is not None:
+            lines += [
+                f"  policy={est.policy}: {mid.ms:,.0f} ms a step, {fast.ms:,.0f}-{slow.ms:,.0f} ms over the published "
+                f"efficiency ranges; {mid.tokens_per_s(est.tokens):,.0f} tokens/s "
+                f"({slow.tokens_per_s(est.tokens):,.0f}-{fast.tokens_per_s(est.tokens):,.0f})"
+            ]
         c, tp = est.work.collectives, est.work.tensor_parallel_bytes
         if c.sent_bytes or tp:
             t = est.step_time(speed)
@@ -298,9 +305,8 @@ def render_fit_by_time(fit: FitTable, times: dict[tuple[str, str], StepTime], to
     return "\n".join(
         [
             "where it fits, fastest first (predicted, not measured: trainer.measure.time.roofline's roofline at the "
-            "catalogue's "
-            f"peaks × {GPU_MATMUL_EFFICIENCY:.0%} matmul, × {GPU_BANDWIDTH_EFFICIENCY:.0%} bandwidth; collectives "
-            "not costed):",
+            "catalogue's peaks × the middle of each GPU's published efficiencies, listed in docs/step-time.md; "
+            "collectives not costed):",
             "",
             markdown_table(header, rows, "llrrr"),
         ]
@@ -355,8 +361,12 @@ def to_json(
             return {"error": v}
         doc = v.to_json() | {"fits": v.fits(budget)}
         if speed is not None:
-            t = v.step_time(speed)
-            doc["predicted_step"] = t.to_json() | {"tokens_per_s": t.tokens_per_s(v.tokens)}
+            t, slow, fast = speed.predict_range(v.work)
+            doc["predicted_step"] = t.to_json() | {
+                "tokens_per_s": t.tokens_per_s(v.tokens),
+                "ms_range": [fast.ms, slow.ms],  # the published efficiencies' fast and slow ends
+                "tokens_per_s_range": [slow.tokens_per_s(v.tokens), fast.tokens_per_s(v.tokens)],
+            }
         return doc
 
     return {

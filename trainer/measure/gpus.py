@@ -9,8 +9,9 @@ context (about 0.5–1 GiB), cuBLAS/cuDNN workspaces, NCCL buffers and the cachi
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -74,6 +75,23 @@ class Reserve:
         return " + ".join(parts) or "none"
 
 
+EFFICIENCY_KEYS = ("matmul", "bandwidth", "attention", "link")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What kernels reach of a datasheet figure, as the range published measurements give (`low`, `high`), and
+    where they were published (`source`). The step-time model prices a GPU at both ends and in the middle."""
+
+    low: float
+    high: float
+    source: str
+
+    @property
+    def mid(self) -> float:
+        return (self.low + self.high) / 2
+
+
 @dataclass(frozen=True)
 class Gpu:
     """One catalogue entry. `tflops`: dense peak per dtype (bf16, fp16, tf32, fp32); `host_link`: host↔device copy
@@ -86,6 +104,15 @@ class Gpu:
     host_link: float = 0.0
     gpu_link: float = 0.0  # bytes/s one GPU sends to its peers (NVLink per direction; PCIe where there is none)
     source: str = ""
+    # matmul (dense GEMM of tflops), bandwidth (streaming), attention (fused attention kernels of tflops), link (NCCL
+    # ring of gpu_link): published ranges; a key the entry lacks is `fallback_efficiency`'s
+    efficiency: dict[str, Efficiency] = field(default_factory=dict)
+    efficiency_from: str = ""  # another entry's ranges for the keys this one does not give
+
+    def efficiency_of(self, key: str) -> Efficiency:
+        """This GPU's range for `key`, or, where the catalogue has no published figure for it, the widest range of
+        the shipped entries that have one (said so in its source)."""
+        return self.efficiency.get(key) or fallback_efficiency(key)
 
 
 def _entry(path: Path) -> Gpu:
@@ -106,9 +133,66 @@ def _entry(path: Path) -> Gpu:
             host_link=_rate(node["host_link"], f"{path.name}: host_link") if "host_link" in node else 0.0,
             gpu_link=_rate(node["gpu_link"], f"{path.name}: gpu_link") if "gpu_link" in node else 0.0,
             source=str(path),
+            efficiency=_efficiency(node.get("efficiency") or {}, path),
+            efficiency_from=str((node.get("efficiency") or {}).get("from", "")),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _efficiency(node: object, path: Path) -> dict[str, Efficiency]:
+    """`efficiency: {from: NAME, matmul: {range: [low, high], source: "..."}, ...}`."""
+    if not isinstance(node, dict):
+        example = "{matmul: {range: [0.6, 0.8], source: ...}}"
+        raise ValueError(f"{path.name}: efficiency: write a mapping such as {example}")
+    out = {}
+    for key, value in node.items():
+        if key == "from":
+            continue
+        if key not in EFFICIENCY_KEYS:
+            raise ValueError(f"{path.name}: efficiency.{key}: not one of {', '.join(EFFICIENCY_KEYS)}")
+        try:
+            low, high = (float(x) for x in value["range"])
+            source = str(value["source"]).strip()
+        except (TypeError, KeyError, ValueError):
+            low, high, source = -1.0, -1.0, ""
+        if not (0 < low <= high <= 1 and source):
+            raise ValueError(
+                f"{path.name}: efficiency.{key}: write {{range: [low, high], source: where it was published}}, "
+                "0 < low ≤ high ≤ 1"
+            )
+        out[key] = Efficiency(low, high, source)
+    return out
+
+
+def _inherit(gpus: dict[str, Gpu]) -> dict[str, Gpu]:
+    """Each entry's `efficiency.from`: the named entry's ranges for the keys it does not give itself."""
+    out = {}
+    for name, gpu in gpus.items():
+        if gpu.efficiency_from:
+            base = {k.lower(): v for k, v in gpus.items()}.get(gpu.efficiency_from.lower())
+            if base is None:
+                raise ConfigError(f"{gpu.source}: efficiency.from: no catalogue entry named {gpu.efficiency_from!r}")
+            inherited = {
+                k: Efficiency(e.low, e.high, f"as {base.name}: {e.source}")
+                for k, e in base.efficiency.items()
+                if k not in gpu.efficiency
+            }
+            gpu = replace(gpu, efficiency={**inherited, **gpu.efficiency})
+        out[name] = gpu
+    return out
+
+
+@functools.cache
+def fallback_efficiency(key: str) -> Efficiency:
+    """Where the catalogue has no published figure for a GPU: the widest range over the shipped entries that have
+    one, so the interval holds every sourced GPU's."""
+    ranges = [g.efficiency[key] for g in load_catalogue().values() if key in g.efficiency]
+    return Efficiency(
+        min(r.low for r in ranges),
+        max(r.high for r in ranges),
+        "no published figure for this GPU: the widest range of the catalogue's GPUs that have one",
+    )
 
 
 def _tflops(node: object, path: Path) -> dict[str, float]:
@@ -131,6 +215,7 @@ def load_catalogue(extra: list[str | Path] | None = None) -> dict[str, Gpu]:
         for f in files:
             gpu = _entry(f)
             gpus[gpu.name] = gpu
+    gpus = _inherit(gpus)
     return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
 
 

@@ -4,8 +4,9 @@
         step()
     speed.predict(trace.work)       # -> StepTime (trainer.measure.time.roofline)
 
-Every op torch dispatches is one of these kinds: `matmul` (it has a FLOP formula in torch's registry, the CPU SDPA
-kernels and the fused loss head included: trainer/measure/time/flops.py), `memory`, `math` and `random` (they move
+Every op torch dispatches is one of these kinds: `matmul` (it has a FLOP formula in torch's registry, the fused loss
+head included: trainer/measure/time/flops.py), `attention` (SDPA's fused kernels, CPU's and CUDA's, forward and
+backward: FLOP formulas too, priced at a GPU's attention efficiency), `memory`, `math` and `random` (they move
 bytes: the bytes of every tensor they read and write, from the tensors' sizes, so fake tensors serve) and `free`
 (views, allocations and metadata, which move nothing; FSDP2's c10d collectives too, which `Work.collectives` prices
 on the link), or `collective` (a functional collective, DTensor's: tensor parallelism's all-gathers, reduce-scatters
@@ -110,7 +111,7 @@ _MATH_OPS = frozenset(
 _RANDOM_OPS = frozenset(
     ("bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "uniform_", "normal_")
 )
-KINDS = ("matmul", "memory", "math", "random", "collective", "free")
+KINDS = ("matmul", "attention", "memory", "math", "random", "collective", "free")
 # Collectives that functional (DTensor's, tensor parallelism's) ops run, by the bytes one rank sends in a ring over
 # group_size ranks: an all-gather sends its output's (W−1)/W, a reduce-scatter its input's, an all-reduce twice that.
 _SENT_SHARE = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 2}
@@ -220,7 +221,8 @@ def classify(func: Any, args: Any, kwargs: Any, out: Any, flops: int) -> OpKey:
     if flops:
         inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
         dtype = _dtype_key(inputs[0].dtype) if inputs else "fp32"
-        return OpKey("matmul", dtype, int(flops), moved_bytes(func, args, kwargs, out))
+        kind = "attention" if "attention" in packet.__name__ else "matmul"  # SDPA's fused kernels, forward and backward
+        return OpKey(kind, dtype, int(flops), moved_bytes(func, args, kwargs, out))
     if getattr(func, "is_view", False) or packet.__name__ in _FREE_OPS:
         return OpKey("free", "", 0, 0)
     kind = "math" if packet.__name__ in _MATH_OPS else "random" if packet.__name__ in _RANDOM_OPS else "memory"

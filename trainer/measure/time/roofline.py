@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from trainer.measure.gpus import Gpu
+from trainer.measure.gpus import EFFICIENCY_KEYS, Efficiency, Gpu
 from trainer.measure.time.op_trace import KINDS, Work
 
 RateCurve = tuple[tuple[float, float], ...]  # (size, rate) points, sizes ascending: FLOPs → FLOP/s, bytes → bytes/s
@@ -58,6 +58,7 @@ class StepTime:
     device: str
     collective_ms: float = 0.0  # FSDP2's all-gathers and reduce-scatters, and TP's collectives, in full
     exposed_collective_ms: float = 0.0
+    attention_ms: float = 0.0  # the fused attention kernels' share of matmul_ms
 
     def tokens_per_s(self, tokens: int) -> float:
         return tokens / (self.ms / 1e3) if self.ms > 0 else 0.0
@@ -83,24 +84,37 @@ class Speed:
     # This CPU's own time for a replayable op (signature, its roofline seconds) → seconds or None: the op run on
     # real tensors of its shapes (trainer.measure.time.calibration.OpClock); None: every op by the roofline
     op_clock: Any = None
+    # dtype → FLOPs of one op → FLOP/s for fused attention kernels; None: the matmul curve (a CPU's)
+    attention: dict[str, RateCurve] | None = None
+    ends: tuple[Speed, Speed] | None = None  # the slow and fast ends of a catalogue GPU's published efficiencies
 
-    def _matmul_rate(self, dtype: str, flops: float) -> float:
-        curve = self.matmul.get(dtype) or self.matmul.get("fp32") or next(iter(self.matmul.values()))
+    def _matmul_rate(self, dtype: str, flops: float, kind: str = "matmul") -> float:
+        curves = self.attention if kind == "attention" and self.attention else self.matmul
+        curve = curves.get(dtype) or curves.get("fp32") or next(iter(curves.values()))
         return _rate(curve, flops)
 
+    def predict_range(self, work: Work) -> tuple[StepTime, StepTime, StepTime]:
+        """(middle, slow end, fast end): the prediction at the published efficiencies' middle and at each end
+        (the same three where the speed has no ends: a calibrated CPU)."""
+        mid = self.predict(work)
+        if self.ends is None:
+            return mid, mid, mid
+        return mid, self.ends[0].predict(work), self.ends[1].predict(work)
+
     def predict(self, work: Work) -> StepTime:
-        mm = mem = 0.0
+        mm = mem = att = 0.0
         for (kind, dtype, flops, nbytes, signature), n in work.ops.items():
             if kind in ("free", "collective"):
                 continue
             curve = self.bandwidth.get(kind) or self.bandwidth["memory"]
             t = nbytes / _rate(curve, nbytes) if nbytes else 0.0
-            if kind == "matmul":
-                t = max(flops / self._matmul_rate(dtype, flops), t)
+            if kind in ("matmul", "attention"):
+                t = max(flops / self._matmul_rate(dtype, flops, kind), t)
             if signature and self.op_clock is not None and (timed := self.op_clock(signature, t)) is not None:
                 t = timed
-            if kind == "matmul":
+            if kind in ("matmul", "attention"):
                 mm += t * n
+                att += t * n if kind == "attention" else 0.0
             else:
                 mem += t * n
         if self.op_clock is not None:
@@ -127,57 +141,90 @@ class Speed:
             self.name,
             comm * 1e3,
             exposed_comm * 1e3,
+            att * 1e3,
         )
 
     def describe(self) -> str:
         return f"{self.name}: " + "; ".join(self.assumptions)
 
 
-# GPU efficiencies: what a dense kernel reaches of the datasheet peak. Large GEMMs reach 60-75 % of peak and
-# streaming kernels 80-90 % of bandwidth; the step's smaller ops reach less, which the per-op launch floor covers.
-GPU_MATMUL_EFFICIENCY = 0.6
-GPU_BANDWIDTH_EFFICIENCY = 0.8
-GPU_LAUNCH_S = 5e-6  # host-side cost of one eager op (Python, dispatcher, launch)
-GPU_SAC_S = 20e-6  # one SAC decision: torch's Python dispatch mode, per op
-# What NCCL's ring collectives reach of the link's per-direction datasheet rate (its "bus bandwidth")
-GPU_LINK_EFFICIENCY = 0.8
+# Host costs on a GPU machine, per op: published ranges (seconds), and where they come from. Unlike the kernels'
+# efficiencies they do not depend on the GPU.
+GPU_LAUNCH_S = Efficiency(
+    4.5e-6,
+    10e-6,
+    "an eager op's host cost: 4.5 µs for x + 1 on an i9-11900K (J. Ansel, dev-discuss.pytorch.org/t/1836, "
+    "'Micro-optimizations for the most micro of benchmarks'); about 7 µs with autograd (pytorch/pytorch issue 41383); "
+    "CUDA launches take 5-20 µs on the CPU side (HolisticTraceAnalysis, cuda_kernel_launch_stats)",
+)
+GPU_SAC_S = Efficiency(
+    5e-6,
+    20e-6,
+    "no published measurement of a SAC policy's per-op cost: an assumption, bounded below by a Python dispatcher round "
+    "trip (+2 µs for an OpOverload call, pytorch/pytorch issue 139518; 5-9 µs for a Python custom op, issue 177109)",
+)
+ENDS = ("slow", "mid", "fast")  # slow: every efficiency at its low end and host costs at their high end
 GPU_COPY_OVERLAP = "offload copies on their own stream, hidden behind compute up to its length (prefetch on)"
 
 
-def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None) -> Speed:
-    """A catalogue GPU: peak TFLOP/s per dtype and bandwidth at the stated efficiencies; fp32 matmuls run as TF32
-    when torch's float32 matmul precision allows it (`torch.set_float32_matmul_precision`)."""
+def _at(e: Efficiency, end: str, lower_is_slow: bool = True) -> float:
+    if end == "mid":
+        return e.mid
+    return e.low if (end == "slow") == lower_is_slow else e.high
+
+
+def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None, end: str = "mid") -> Speed:
+    """A catalogue GPU: peak TFLOP/s per dtype and bandwidth at its published efficiencies (`Gpu.efficiency_of`):
+    their middle (`end="mid"`, the point estimate, carrying the two ends for its interval), or the slow or fast end.
+    fp32 matmuls run as TF32 when torch's float32 matmul precision allows it (`torch.set_float32_matmul_precision`)."""
     if not gpu.tflops or not gpu.bandwidth:
         raise ValueError(f"{gpu.name}: the catalogue entry needs tflops and bandwidth to predict a step time")
     fp32_matmul = fp32_matmul or ("tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32")
-    rates = {k: v * 1e12 * GPU_MATMUL_EFFICIENCY for k, v in gpu.tflops.items()}
-    if fp32_matmul in rates:
-        rates["fp32"] = rates[fp32_matmul]
-    matmul = {k: ((1.0, r),) for k, r in rates.items()}
-    bw = gpu.bandwidth * GPU_BANDWIDTH_EFFICIENCY
-    return Speed(
+    eff = {k: gpu.efficiency_of(k) for k in EFFICIENCY_KEYS}
+    peaks = dict(gpu.tflops)
+    if fp32_matmul in peaks:
+        peaks["fp32"] = peaks[fp32_matmul]
+    matmul = {k: ((1.0, v * 1e12 * _at(eff["matmul"], end)),) for k, v in peaks.items()}
+    attention = {k: ((1.0, v * 1e12 * _at(eff["attention"], end)),) for k, v in peaks.items()}
+    bw = gpu.bandwidth * _at(eff["bandwidth"], end)
+    launch, sac = _at(GPU_LAUNCH_S, end, lower_is_slow=False), _at(GPU_SAC_S, end, lower_is_slow=False)
+
+    def share(key: str) -> str:
+        e = eff[key]
+        return f"{_at(e, end):.0%} (published {e.low:.0%}-{e.high:.0%})"
+
+    speed = Speed(
         name=gpu.name,
         matmul=matmul,
         bandwidth={"memory": ((1.0, bw),)},
-        op_s=GPU_LAUNCH_S,
-        free_s=GPU_LAUNCH_S / 4,
-        sac_s=GPU_SAC_S,
+        op_s=launch,
+        free_s=launch / 4,  # a view or an allocation: the dispatcher without a kernel launch, taken as a quarter
+        sac_s=sac,
         host_link=gpu.host_link,
-        gpu_link=gpu.gpu_link * GPU_LINK_EFFICIENCY,
+        gpu_link=gpu.gpu_link * _at(eff["link"], end),
         overlapped=True,
         assumptions=(
-            f"matmul at {GPU_MATMUL_EFFICIENCY:.0%} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
+            f"matmul at {share('matmul')} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
             f" TFLOP/s; fp32 matmul as {fp32_matmul})",
-            f"memory-bound ops at {GPU_BANDWIDTH_EFFICIENCY:.0%} of {gpu.bandwidth / 1e12:g} TB/s",
-            f"host {GPU_LAUNCH_S * 1e6:g} µs per op launched, {GPU_SAC_S * 1e6:g} µs per SAC decision, running ahead"
-            " of the kernels",
+            f"attention kernels at {share('attention')} of the same peak",
+            f"memory-bound ops at {share('bandwidth')} of {gpu.bandwidth / 1e12:g} TB/s",
+            f"host {launch * 1e6:.1f} µs per op launched, {sac * 1e6:.1f} µs per SAC decision, running ahead of the "
+            "kernels",
             GPU_COPY_OVERLAP + (f" at {gpu.host_link / 1e9:g} GB/s" if gpu.host_link else ""),
             (
-                f"FSDP2 collectives at {GPU_LINK_EFFICIENCY:.0%} of {gpu.gpu_link / 1e9:g} GB/s per GPU (one node, "
-                "ring), hidden behind compute up to its length but the first all-gather of forward and backward and "
-                "the last reduce-scatter"
+                f"FSDP2 collectives at {share('link')} of {gpu.gpu_link / 1e9:g} GB/s per GPU (one node, ring), hidden "
+                "behind compute up to its length but the forward's first all-gather and the last reduce-scatter"
                 if gpu.gpu_link
                 else "collectives not costed (the catalogue entry has no gpu_link)"
             ),
         ),
+        attention=attention,
     )
+    if end == "mid":
+        return replace(speed, ends=(gpu_speed(gpu, fp32_matmul, "slow"), gpu_speed(gpu, fp32_matmul, "fast")))
+    return speed
+
+
+def gpu_constants(gpu: Gpu) -> list[tuple[str, Efficiency]]:
+    """Every figure the GPU time model takes beyond the datasheet, with its published range and source."""
+    return [*((k, gpu.efficiency_of(k)) for k in EFFICIENCY_KEYS), ("launch_s", GPU_LAUNCH_S), ("sac_s", GPU_SAC_S)]
