@@ -42,6 +42,13 @@ class LlamaConfig:
     # "sdpa": fused scaled_dot_product_attention (GQA inside the kernel, no T×T scores kept); "eager": explicit
     # softmax(QKᵀ)V that stores them, the path `selective` recomputes.
     attention: str = "sdpa"
+    # "half": HF's rotation of each head's two halves, in the residual stream's dtype. "complex": torchtitan's up to
+    # its 0.2 releases, channel pairs as fp32 complex numbers times a complex64 table (its published H100 rows ran
+    # it): fp32 copies of q and k each layer.
+    rope: str = "half"
+    # False: SDPA shares each key/value head among its query heads (enable_gqa). True: keys and values copied to
+    # every query head before attention, as torchtitan's model did up to 0.2 (the kernel then keeps the copies).
+    repeat_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -67,6 +74,8 @@ class LlamaConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"model.attention={self.attention!r} must be 'sdpa' or 'eager'")
+        if self.rope not in ("half", "complex"):
+            raise ValueError(f"model.rope={self.rope!r} must be 'half' or 'complex'")
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +90,22 @@ def rotary_table(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = torch.outer(t, inv_freq)  # (block_size, d/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (block_size, d)
     return emb.cos(), emb.sin()
+
+
+def complex_rotary_table(config: LlamaConfig) -> torch.Tensor:
+    """torchtitan's `precompute_freqs_cis`: e^(i·position·frequency), (block_size, head_dim / 2), complex64."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
+    freqs = torch.outer(torch.arange(config.block_size).float(), inv_freq)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_complex_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """torchtitan's `apply_rotary_emb` for one of q, k: x (B, T, heads, head_dim), its channel pairs as fp32 complex
+    numbers, times freqs_cis (T, head_dim / 2), back to x's dtype."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis.view(1, x.shape[1], 1, xc.shape[-1])).flatten(3)
+    return out.type_as(x)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,21 +138,29 @@ class LlamaAttention(nn.Module):
         super().__init__()
         assert config.n_kv_head is not None
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.attention = config.attention
+        self.attention, self.rope, self.repeat_kv = config.attention, config.rope, config.repeat_kv
         self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
         self.attn_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
+        """`cos`, `sin`: the rotary table's (T, head_dim) halves; under rope=complex `cos` is the complex table
+        (T, head_dim / 2) and `sin` None."""
         B, T, _ = x.shape
         # (B, T, heads·head_dim) -> (B, heads, T, head_dim)
         # Head counts as -1: under tensor parallelism each rank holds its share of the heads (n_head / t).
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        if sin is None:  # rope=complex: rotated before the heads move forward, as torchtitan rotates
+            q, k = apply_complex_rotary(q, cos), apply_complex_rotary(k, cos)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if sin is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.repeat_kv and k.shape[1] != q.shape[1]:  # torchtitan's repeat_kv: every query head its own copy
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         y = self.core_attention(q, k, v)
         # (B, n_head, T, head_dim) -> (B, T, n_head·head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
@@ -138,7 +171,7 @@ class LlamaAttention(nn.Module):
         p = self.attn_dropout.p if self.training else 0.0  # one probability for both paths
         if self.attention == "sdpa":  # the fused kernel shares each key/value head itself
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
-        groups = self.n_head // self.n_kv_head
+        groups = q.shape[1] // k.shape[1]  # 1 where repeat_kv already copied them
         k = k.repeat_interleave(groups, dim=1)  # (B, n_kv_head, T, hd) -> (B, n_head, T, hd)
         v = v.repeat_interleave(groups, dim=1)
         T = q.size(-2)
@@ -179,7 +212,7 @@ class LlamaBlock(nn.Module):
     def attn(self) -> LlamaAttention:
         return self.self_attn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
         x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin))
         x = x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))
         return x
@@ -197,6 +230,9 @@ class LlamaDecoder(nn.Module):
         # Buffers, not parameters, and non-persistent: state_dict keys are the weights alone.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = config.rope
+        if config.rope == "complex":
+            self.register_buffer("freqs_cis", complex_rotary_table(config), persistent=False)
 
 
 class Llama(nn.Module):
@@ -252,7 +288,10 @@ class Llama(nn.Module):
         # a later pipeline stage (trainer/parallel/pipeline.py) has no embedding: its input is the residual stream
         x = idx if self.model.embed_tokens is None else self.model.embed_tokens(idx)  # (B, T, C)
         # The rotary table in the residual stream's dtype (bf16 weights: bf16), as HF casts it.
-        cos, sin = self.model.rope_cos[:T].to(x.dtype), self.model.rope_sin[:T].to(x.dtype)
+        cos: torch.Tensor = self.model.rope_cos[:T].to(x.dtype)
+        sin: torch.Tensor | None = self.model.rope_sin[:T].to(x.dtype)
+        if self.model.rope == "complex":  # the complex64 table as it is, as torchtitan passes freqs_cis
+            cos, sin = self.model.freqs_cis[:T], None
         for layer in self.layers:
             x = layer(x, cos, sin)
         return x if self.model.norm is None else self.model.norm(x)

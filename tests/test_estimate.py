@@ -126,6 +126,18 @@ def test_estimate_equals_a_training_run(
     assert_estimate_equals_run(est, summary)
 
 
+@pytest.mark.parametrize("policy", ["none", "torchtitan_sac"])
+def test_torchtitans_llama_of_2024_estimates_as_it_runs(
+    compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], tmp_path: Path, policy: str
+) -> None:
+    """The LLaMA torchtitan's published H100 rows ran (its rotary as fp32 complex numbers, keys and values copied to
+    every query head before SDPA: model.rope=complex model.repeat_kv=true) is estimated as it trains."""
+    extra = ["model.rope=complex", "model.repeat_kv=true"]
+    cfg = _with_policy(compose_cfg(*overrides("llama", "bf16-accum-chunked"), *extra, *RUN), policy)
+    est = measure(open_session(validate(cfg)), build_policy(validate(cfg).policy))
+    assert_estimate_equals_run(est, train(cfg, tmp_path / "run"))
+
+
 def test_the_comparison_can_fail(
     compose_cfg: Callable[..., Any], overrides: Callable[[str, str], list[str]], tmp_path: Path
 ) -> None:

@@ -106,6 +106,63 @@ def test_gqa_repeat_is_inside_the_seam_so_selective_drops_it() -> None:
     assert kept("none") - kept("selective") == kept_by_none - kept_by_selective
 
 
+def _torchtitan_variant(rope: str, repeat_kv: bool) -> Llama:
+    torch.manual_seed(0)
+    c = LlamaConfig(
+        vocab_size=64, block_size=32, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, mlp_hidden=128, attention="sdpa"
+    )
+    c.rope, c.repeat_kv = rope, repeat_kv
+    return Llama(c)
+
+
+def test_repeat_kv_computes_what_shared_heads_compute_and_keeps_the_copies() -> None:
+    """model.repeat_kv (torchtitan's model up to 0.2): keys and values copied to every query head before SDPA give
+    the same logits as SDPA sharing them, and the kernel keeps the copies: per layer 2·B·(H − Hkv)·T·D values more
+    (fp32 here), counted by hand."""
+    shared, copied = _torchtitan_variant("half", False), _torchtitan_variant("half", True)
+    x = torch.randint(0, 64, (2, 32))
+    torch.testing.assert_close(copied(x)[0], shared(x)[0], rtol=1e-5, atol=1e-5)
+
+    def kept(model: Llama) -> int:
+        with LiveTensorTracker() as t:
+            loss = model(x, x)[1]
+            kept = t.live_bytes
+        del loss
+        return kept
+
+    B, T, H, KV, D, layers = 2, 32, 8, 2, 8, 2
+    assert kept(copied) - kept(shared) == layers * 2 * B * (H - KV) * T * D * 4
+
+
+def test_both_rotary_forms_rotate_by_relative_position() -> None:
+    """Each rotary form is a rotation (norms kept) whose query-key products depend on the positions' difference
+    only: HF's halves in the residual dtype, torchtitan's complex pairs in fp32 (model.rope=complex)."""
+    from models.llama import apply_complex_rotary, apply_rotary, complex_rotary_table, rotary_table
+
+    torch.manual_seed(0)
+    c = LlamaConfig(vocab_size=8, block_size=16, n_layer=1, n_head=1, n_embd=8)
+    q, k = torch.randn(8), torch.randn(8)
+    cos, sin = rotary_table(c)
+    freqs = complex_rotary_table(c)
+
+    def half(x: torch.Tensor, pos: int) -> torch.Tensor:
+        return apply_rotary(x.view(1, 1, 1, 8), cos[pos : pos + 1], sin[pos : pos + 1]).view(8)
+
+    def pairs(x: torch.Tensor, pos: int) -> torch.Tensor:
+        return apply_complex_rotary(x.view(1, 1, 1, 8), freqs[pos : pos + 1]).view(8)
+
+    for rotate in (half, pairs):
+        assert torch.allclose(rotate(q, 5).norm(), q.norm(), atol=1e-5)
+        assert torch.allclose(rotate(q, 7) @ rotate(k, 3), rotate(q, 12) @ rotate(k, 8), atol=1e-4)
+        assert not torch.allclose(rotate(q, 7) @ rotate(k, 3), rotate(q, 7) @ rotate(k, 4), atol=1e-4)
+    complex_model = _torchtitan_variant("complex", True)
+    assert complex_model.model.freqs_cis.dtype == torch.complex64 and "freqs_cis" not in complex_model.state_dict()
+    x = torch.randint(0, 64, (2, 32))
+    loss = complex_model(x, x)[1]
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in complex_model.parameters())
+
+
 @pytest.mark.parametrize(
     "preset, layers, d, heads, kv, hidden, vocab, params",
     [

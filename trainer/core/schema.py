@@ -47,6 +47,8 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares the token embedding
     norm_eps: float = 1e-5  # llama
     rope_theta: float = 10000.0  # llama
+    rope: str = "half"  # llama: half (HF's) | complex (torchtitan's to 0.2: fp32 complex channel pairs)
+    repeat_kv: bool = False  # llama: keys/values copied to every query head before SDPA (torchtitan's to 0.2)
     name_or_path: str | None = None  # hf: a hub id or a local folder with config.json
     pretrained: bool = False  # hf: load its weights (true) or initialise from the config (false)
 
