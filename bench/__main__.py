@@ -40,6 +40,9 @@ TABLES = {
         "bench.data", "docs/data.md", "first step and peak memory: streamed, prepared and nanoGPT-style corpora"
     ),
     "fit-time": Table("bench.fit_time", "(prints only)", "what --fit costs beside one estimate"),
+    "calibrate": Table(
+        "bench.calibrate", "conf/gpu/<the device>.yaml", "this device's matmul, attention, copy and launch rates"
+    ),
 }
 
 

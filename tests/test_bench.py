@@ -415,3 +415,52 @@ def test_the_compiled_benchmark_measures_each_variant_its_own_way() -> None:
     assert "| `none` |" in text and "| 0 |" in text and "fastest first: predicted" in text
     assert all(f"| `{p.plan.describe()}` |" in text for p in plans) and "`auto` (compiled)" in text
     assert "| `micro` | `none` |" in compiled.summary([out], "python -m bench.compiled")
+
+
+# ---- bench.calibrate: a device's measured figures, preferred by the estimator ------------------------------------
+
+CPU_ENTRY = "name: this-cpu\nmemory: 8GiB\nbandwidth: 0.05TB/s\ntflops: {fp32: 1.0, bf16: 1.0}\n"
+CALIBRATE_SHAPES = ["model=micro", "seq_len=32", "batch_size=2", "precision=32-true"]
+
+
+def test_calibrate_measures_this_cpu_and_the_time_model_prefers_it(tmp_path: Path) -> None:
+    """The GPU calibration's code run on this CPU (as bench/gpu.sh runs it on a GPU): the model's GEMMs, attention
+    forward and backward, a copy and a small op are measured at the model's shapes and written as the entry's
+    `measured:` block (a second run replaces it); a speed for that entry then takes those rates, and says so."""
+    from bench import calibrate
+    from trainer.measure.gpus import load_catalogue
+    from trainer.measure.time.roofline import gpu_speed
+
+    entry = tmp_path / "this-cpu.yaml"
+    entry.write_text("# a CPU as a catalogue entry\n" + CPU_ENTRY)
+    for _ in range(2):
+        assert calibrate.main(["--device", "cpu", "--write", str(entry), "--reps", "2", *CALIBRATE_SHAPES]) == 0
+    text = entry.read_text()
+    assert text.startswith("# a CPU as a catalogue entry\n") and text.count("measured:") == 1
+    gpu = load_catalogue([entry])["this-cpu"]
+    assert gpu.measured is not None and set(gpu.measured.matmul) == {"fp32"}
+    m = gpu.measured
+    assert m.matmul["fp32"] > 0 and m.attention["fp32"] > 0 and m.bandwidth > 0 and 0 < (m.launch_s or 0) < 1
+    speed = gpu_speed(gpu)
+    assert speed.matmul["fp32"][0][1] == pytest.approx(m.matmul["fp32"], rel=1e-5)
+    assert speed.attention is not None and speed.attention["fp32"][0][1] == pytest.approx(m.attention["fp32"], rel=1e-5)
+    assert speed.bandwidth["memory"][0][1] == pytest.approx(m.bandwidth, rel=1e-5) and speed.op_s == m.launch_s
+    slow, fast = speed.ends or (None, None)
+    assert slow is not None and fast is not None  # the measured dtype is a point at both ends, not a range
+    assert slow.matmul["fp32"] == fast.matmul["fp32"] == speed.matmul["fp32"]
+    assert slow.matmul["bf16"] != fast.matmul["bf16"]  # bf16 was not measured: its published range stays
+    assert "measured on CPU" in speed.describe() and "bench.calibrate" in speed.describe()
+
+
+def test_calibrate_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import calibrate
+
+    for args, says in (
+        (["--device", "cpu", "--write", str(tmp_path / "none.yaml")], "not a catalogue entry"),
+        (["--device", "cpu", "--write-matched"], "run it on one"),
+        (["--device", "cpu", "--reps", "0"], "--reps 0"),
+    ):
+        assert calibrate.main([*args, *CALIBRATE_SHAPES]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "none.yaml").exists()

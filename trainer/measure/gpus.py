@@ -93,6 +93,22 @@ class Efficiency:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """A `measured:` block (bench/calibrate.py): rates measured on this device at a model's shapes, preferred over
+    the published ranges. FLOP/s and bytes/s per dtype; `launch_s`: one small op launched."""
+
+    on: str
+    date: str
+    matmul: dict[str, float] = field(default_factory=dict)
+    attention: dict[str, float] = field(default_factory=dict)
+    bandwidth: float = 0.0
+    launch_s: float | None = None
+
+    def describe(self) -> str:
+        return f"measured on {self.on} by bench.calibrate ({self.date})"
+
+
+@dataclass(frozen=True)
 class Gpu:
     """One catalogue entry. `tflops`: dense peak per dtype (bf16, fp16, tf32, fp32); `host_link`: host↔device copy
     rate in bytes per second; `gpu_link`: what one GPU sends to its peers per second (FSDP2's collectives)."""
@@ -108,6 +124,7 @@ class Gpu:
     # ring of gpu_link): published ranges; a key the entry lacks is `fallback_efficiency`'s
     efficiency: dict[str, Efficiency] = field(default_factory=dict)
     efficiency_from: str = ""  # another entry's ranges for the keys this one does not give
+    measured: Measured | None = None  # bench/calibrate.py's figures for this device, preferred where given
 
     def efficiency_of(self, key: str) -> Efficiency:
         """This GPU's range for `key`, or, where the catalogue has no published figure for it, the widest range of
@@ -135,6 +152,7 @@ def _entry(path: Path) -> Gpu:
             source=str(path),
             efficiency=_efficiency(node.get("efficiency") or {}, path),
             efficiency_from=str((node.get("efficiency") or {}).get("from", "")),
+            measured=_measured(node["measured"], path) if node.get("measured") else None,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -163,6 +181,23 @@ def _efficiency(node: object, path: Path) -> dict[str, Efficiency]:
             )
         out[key] = Efficiency(low, high, source)
     return out
+
+
+def _measured(node: object, path: Path) -> Measured:
+    """`measured: {device, date, matmul_tflops: {bf16: …}, attention_tflops: {…}, bandwidth: 3TB/s, launch_s: …}`."""
+    if not isinstance(node, dict):
+        raise ValueError(f"{path.name}: measured: a mapping, as python -m bench.calibrate --write makes it")
+    try:
+        return Measured(
+            on=str(node.get("device", "this device")),
+            date=str(node.get("date", "")),
+            matmul={k: float(v) * 1e12 for k, v in (node.get("matmul_tflops") or {}).items()},
+            attention={k: float(v) * 1e12 for k, v in (node.get("attention_tflops") or {}).items()},
+            bandwidth=_rate(node["bandwidth"], f"{path.name}: measured.bandwidth") if "bandwidth" in node else 0.0,
+            launch_s=float(node["launch_s"]) if node.get("launch_s") is not None else None,
+        )
+    except (AttributeError, TypeError) as e:
+        raise ValueError(f"{path.name}: measured: {e}; remake it with python -m bench.calibrate --write") from None
 
 
 def _inherit(gpus: dict[str, Gpu]) -> dict[str, Gpu]:

@@ -184,14 +184,30 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None, end: str = "mid") -> Spe
     peaks = dict(gpu.tflops)
     if fp32_matmul in peaks:
         peaks["fp32"] = peaks[fp32_matmul]
-    matmul = {k: ((1.0, v * 1e12 * _at(eff["matmul"], end)),) for k, v in peaks.items()}
-    attention = {k: ((1.0, v * 1e12 * _at(eff["attention"], end)),) for k, v in peaks.items()}
-    bw = gpu.bandwidth * _at(eff["bandwidth"], end)
-    launch, sac = _at(GPU_LAUNCH_S, end, lower_is_slow=False), _at(GPU_SAC_S, end, lower_is_slow=False)
+    m = gpu.measured  # bench/calibrate.py's rates on this device: preferred, at both ends (a measurement, no range)
+    matmul = {
+        k: ((1.0, m.matmul[k] if m and k in m.matmul else v * 1e12 * _at(eff["matmul"], end)),)
+        for k, v in peaks.items()
+    }
+    attention = {
+        k: ((1.0, m.attention[k] if m and k in m.attention else v * 1e12 * _at(eff["attention"], end)),)
+        for k, v in peaks.items()
+    }
+    bw = m.bandwidth if m and m.bandwidth else gpu.bandwidth * _at(eff["bandwidth"], end)
+    launch = m.launch_s if m and m.launch_s else _at(GPU_LAUNCH_S, end, lower_is_slow=False)
+    sac = _at(GPU_SAC_S, end, lower_is_slow=False)
 
     def share(key: str) -> str:
         e = eff[key]
         return f"{_at(e, end):.0%} (published {e.low:.0%}-{e.high:.0%})"
+
+    datasheet = ", ".join(f"{k} {v:g}" for k, v in gpu.tflops.items())
+
+    def rate(key: str, label: str, rates: dict[str, float]) -> str:
+        if m is None or not rates:
+            return f"{label} at {share(key)} of peak"
+        said = ", ".join(f"{k} {v / 1e12:,.4g} TFLOP/s" for k, v in rates.items())
+        return f"{label} at {said} {m.describe()}; other dtypes at {share(key)} of peak"
 
     speed = Speed(
         name=gpu.name,
@@ -204,12 +220,15 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None, end: str = "mid") -> Spe
         gpu_link=gpu.gpu_link * _at(eff["link"], end),
         overlapped=True,
         assumptions=(
-            f"matmul at {share('matmul')} of peak ({', '.join(f'{k} {v:g}' for k, v in gpu.tflops.items())}"
-            f" TFLOP/s; fp32 matmul as {fp32_matmul})",
-            f"attention kernels at {share('attention')} of the same peak",
-            f"memory-bound ops at {share('bandwidth')} of {gpu.bandwidth / 1e12:g} TB/s",
-            f"host {launch * 1e6:.1f} µs per op launched, {sac * 1e6:.1f} µs per SAC decision, running ahead of the "
-            "kernels",
+            f"{rate('matmul', 'matmul', m.matmul if m else {})} ({datasheet} TFLOP/s; fp32 matmul as {fp32_matmul})",
+            rate("attention", "attention kernels", m.attention if m else {}),
+            (
+                f"memory-bound ops at {m.bandwidth / 1e12:.3g} TB/s {m.describe()}"
+                if m and m.bandwidth
+                else f"memory-bound ops at {share('bandwidth')} of {gpu.bandwidth / 1e12:g} TB/s"
+            ),
+            f"host {launch * 1e6:.1f} µs per op launched{' (' + m.describe() + ')' if m and m.launch_s else ''}, "
+            f"{sac * 1e6:.1f} µs per SAC decision, running ahead of the kernels",
             GPU_COPY_OVERLAP + (f" at {gpu.host_link / 1e9:g} GB/s" if gpu.host_link else ""),
             (
                 f"FSDP2 collectives at {share('link')} of {gpu.gpu_link / 1e9:g} GB/s per GPU (one node, ring), hidden "

@@ -1,0 +1,236 @@
+"""Calibrate a device for the GPU time model: measure, on the device this runs on, what a catalogue entry otherwise
+takes from published ranges, at the model's own shapes, and write it into the entry as a `measured:` block, which
+the estimator then prefers (and says so).
+
+    python -m bench.calibrate --gpu H100-80GB --write conf/gpu/h100-80gb.yaml      # on the GPU (bench/gpu.sh)
+    python -m bench.calibrate --device cpu --write /tmp/cpu.yaml model=micro        # the same code on a CPU
+    python -m trainer.estimate model=llama3-8b --gpu H100-80GB                      # now priced by the measurement
+
+Measured: each of the model layer's GEMMs (its projections at batch × seq tokens, in the precision's dtype), the
+fused attention kernel forward and backward at its heads, head size and sequence (causal: the FLOPs its kernel
+runs), a streaming copy (HBM bandwidth) and the cost of one small op launched. Each figure is the median of its
+repetitions, after a warm-up; rates are FLOP/s and bytes/s, not shares of a peak, so the same block serves any
+device, a CPU included. `--write` keeps the entry's other lines and replaces a `measured:` block already there.
+
+Not measured here (said in the output): the caching allocator's reserved peak against our replay, which a CUDA run
+of train.py logs beside its prediction (`peak_reserved_mib`, `predicted_peak_reserved_mib`), and the collectives'
+bandwidth, which needs more than one GPU.
+
+Near tools: `torch.utils.benchmark.Timer` times one statement; trainer/measure/time/calibration.py calibrates a CPU
+for its own predictions (rate curves by op size, cached). This one measures at a model's shapes and writes the
+figures where a catalogue GPU's predictions read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.core.schema import compose_config, describe_user_error
+from trainer.formatting import markdown_table
+from trainer.measure.gpus import find_gpu, load_catalogue, match_device
+from trainer.precision import resolve
+
+COMMAND = "python -m bench.calibrate"
+DEFAULT_OVERRIDES = ("model=llama3-8b", "seq_len=4096", "batch_size=1", "precision=bf16-mixed")
+START = "measured:"
+
+
+def _median_s(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 2) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def layer_gemms(config: Any) -> list[tuple[str, int, int, int, int]]:
+    """(name, how many, M, K, N) of one decoder layer's forward projections at the micro-batch's tokens: LLaMA's q,
+    k, v, o, gate, up and down, or GPT's fused qkv, out, fc and proj."""
+    m, c = config.model, config.batch_size * config.seq_len
+    d = m.n_embd
+    if m.family == "llama":
+        kv = (m.n_kv_head or m.n_head) * (d // m.n_head)
+        hidden = m.mlp_hidden or 256 * math.ceil(int(8 * d / 3) / 256)
+        return [
+            ("q, o", 2, c, d, d),
+            ("k, v", 2, c, d, kv),
+            ("gate, up", 2, c, d, hidden),
+            ("down", 1, c, hidden, d),
+        ]
+    return [("qkv", 1, c, d, 3 * d), ("out", 1, c, d, d), ("fc", 1, c, d, 4 * d), ("proj", 1, c, 4 * d, d)]
+
+
+def measure(config: Any, device: torch.device, reps: int) -> dict[str, Any]:
+    """The figures, on `device`, at `config`'s shapes and precision."""
+    precision, _ = resolve(config.precision, device.type)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if "16" in precision else torch.float32
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    out: dict[str, Any] = {"dtype": key, "gemms": []}
+    flops = seconds = 0.0
+    for name, count, m, k, n in layer_gemms(config):
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        s = _median_s(lambda a=a, b=b: a @ b, device, reps)
+        out["gemms"].append((name, m, k, n, 2 * m * k * n / s))
+        flops, seconds = flops + count * 2 * m * k * n, seconds + count * s
+    out["matmul"] = flops / seconds  # the layer's GEMMs together, each as often as a layer runs it
+    mc = config.model
+    heads, size, t = mc.n_head, mc.n_embd // mc.n_head, config.seq_len
+    q, k, v = (
+        torch.randn(config.batch_size, heads, t, size, dtype=dtype, device=device, requires_grad=True) for _ in range(3)
+    )
+
+    def attention() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(torch.ones_like(q))
+
+    # torch's formulas for forward (2 products) and backward (5), at the causal share a kernel computes
+    b = config.batch_size
+    att_flops = 7 * 2 * b * heads * t * t * size * (t + 1) / (2 * t)
+    out["attention"] = att_flops / _median_s(attention, device, reps)
+    copy_bytes = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src, dst = (torch.empty(copy_bytes, dtype=torch.uint8, device=device) for _ in range(2))
+    out["bandwidth"] = 2 * copy_bytes / _median_s(lambda: dst.copy_(src), device, reps)
+    x, ops = torch.zeros(1, device=device), 1000
+
+    def launches() -> None:
+        for _ in range(ops):
+            x.add_(1.0)
+
+    out["launch_s"] = _median_s(launches, device, max(3, reps // 2)) / ops
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from trainer.measure.time.calibration import cpu_name
+
+    return f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def block(figures: dict[str, Any], device: torch.device, overrides: list[str]) -> str:
+    """The `measured:` block for a catalogue yaml."""
+    key = figures["dtype"]
+    return "\n".join(
+        [
+            f"{START}                # {COMMAND} {' '.join(overrides)}: preferred over the ranges above",
+            f'  device: "{device_name(device)}"',
+            f'  date: "{dt.date.today().isoformat()}"',
+            f'  torch: "{torch.__version__}"',
+            f'  shapes: "{" ".join(overrides)}"',
+            f"  matmul_tflops: {{{key}: {figures['matmul'] / 1e12:.6g}}}",
+            f"  attention_tflops: {{{key}: {figures['attention'] / 1e12:.6g}}}",
+            f"  bandwidth: {figures['bandwidth'] / 1e12:.6g}TB/s",
+            f"  launch_s: {figures['launch_s']:.3g}",
+        ]
+    )
+
+
+def write(path: Path, text: str) -> None:
+    """`text` as the yaml's `measured:` block: a block already there replaced, the rest of the file kept."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    if START in (ln.split("#")[0].strip() for ln in lines):
+        i = next(j for j, ln in enumerate(lines) if ln.split("#")[0].strip() == START)
+        end = i + 1
+        while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+            end += 1
+        lines = lines[:i] + lines[end:]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join([*lines, text]) + "\n")
+    tmp.replace(path)  # whole or not at all
+
+
+def report(figures: dict[str, Any], device: torch.device, peak: dict[str, float] | None, bandwidth: float) -> str:
+    key = figures["dtype"]
+    rows = []
+    for name, m, k, n, rate in figures["gemms"]:
+        share = f"{rate / (peak[key] * 1e12):.0%}" if peak and key in peak else "—"
+        rows.append((f"GEMM {name}", f"{m}×{k}×{n}", f"{rate / 1e12:,.3g} TFLOP/s", share))
+    for what, rate in (("layer's GEMMs", figures["matmul"]), ("attention fwd+bwd", figures["attention"])):
+        share = f"{rate / (peak[key] * 1e12):.0%}" if peak and key in peak else "—"
+        rows.append((what, "", f"{rate / 1e12:,.3g} TFLOP/s", share))
+    copy_share = f"{figures['bandwidth'] / bandwidth:.0%}" if bandwidth else "—"
+    rows.append(("copy", "", f"{figures['bandwidth'] / 1e9:,.1f} GB/s", copy_share))
+    rows.append(("one small op", "", f"{figures['launch_s'] * 1e6:.2f} µs", ""))
+    table = markdown_table(("figure", "shape", "measured", "of the datasheet"), rows, "llrr")
+    return (
+        f"Measured on {device_name(device)}, {key}, torch {torch.__version__}:\n\n{table}\n\nNot measured: the caching "
+        "allocator against our replay (a CUDA run logs peak_reserved_mib beside predicted_peak_reserved_mib), "
+        "collectives (need more than one GPU)."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
+    ap.add_argument(
+        "overrides", nargs="*", help=f"Hydra overrides for the shapes (default: {' '.join(DEFAULT_OVERRIDES)})"
+    )
+    ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where one is visible, else cpu")
+    ap.add_argument("--gpu", help="the catalogue entry this GPU is (for the shares of its datasheet in the report)")
+    ap.add_argument("--write", metavar="YAML", help="put the figures into this catalogue yaml as its measured: block")
+    ap.add_argument(
+        "--write-matched",
+        action="store_true",
+        help="on a CUDA device: write into the catalogue entry its name matches (conf/gpu/), as bench/gpu.sh does",
+    )
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions of each figure (default 20)")
+    args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible to this torch; use --device cpu")
+        if args.reps < 1:
+            raise ValueError(f"--reps {args.reps}: give at least 1")
+        gpu = find_gpu(args.gpu) if args.gpu else None
+        if args.write_matched:
+            if device.type != "cuda":
+                raise ValueError("--write-matched matches a CUDA device to its catalogue entry: run it on one")
+            props = torch.cuda.get_device_properties(device)
+            gpu = gpu or match_device(props.name, props.total_memory)
+            if gpu is None:
+                raise ValueError(f"{props.name} is not in the GPU catalogue: give --write conf/gpu/<a new entry>.yaml")
+            args.write = args.write or gpu.source
+        if args.write and not Path(args.write).is_file():
+            raise ValueError(f"--write {args.write}: not a catalogue entry; copy one from conf/gpu/ and name it there")
+        if args.write:
+            load_catalogue([args.write])  # an entry that loads, before the measuring
+        overrides = list(args.overrides) or list(DEFAULT_OVERRIDES)
+        config = compose_config(overrides)
+        figures = measure(config, device, args.reps)
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None and not isinstance(e, ValueError):
+            raise
+        print(f"error: {line or e}", file=sys.stderr)
+        return 2
+    print(report(figures, device, gpu.tflops if gpu else None, gpu.bandwidth if gpu else 0.0))
+    text = block(figures, device, overrides)
+    print("\n" + text)
+    if args.write:
+        write(Path(args.write), text)
+        load_catalogue([args.write])  # the entry still loads, measured block included
+        print(f"\nwrote {args.write}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
