@@ -473,6 +473,16 @@ def test_the_allocator_setting_is_read_as_torch_reads_it() -> None:
     for bad, says in (("expandable_segments:true", "True or False"), ("expandable:True", "not one of torch's")):
         with pytest.raises(ValueError, match=says):
             AllocatorConf.parse(bad)
+    # torch's keys that change nothing the device reserves are accepted; an empty CUDA variable still wins
+    assert AllocatorConf.parse("pinned_use_background_threads:True,expandable_segments:True").unmodelled == ()
+    assert not AllocatorConf.from_env(
+        {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    ).expandable_segments
+    # from the environment, what torch would refuse is one line naming the variable
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PYTORCH_ALLOC_CONF='expandable_segments:yes'"):
+        AllocatorConf.from_env({"PYTORCH_ALLOC_CONF": "expandable_segments:yes"})
 
 
 def test_a_replayed_step_reuses_last_steps_blocks() -> None:

@@ -187,8 +187,9 @@ class Session:
     tensor_parallel: int = 1  # the ranks each layer is split over (trainer.tensor_parallel)
     host: HostLedger = field(default_factory=HostLedger)  # offload's host copies (device cuda), per measure
     group: Any = None  # trainer=fsdp2: the fake process group(s) this session made, destroyed by close()
-    # --device cuda: the caching allocator's settings the run will have (PYTORCH_CUDA_ALLOC_CONF, as torch reads it)
-    alloc_conf: AllocatorConf = field(default_factory=AllocatorConf.from_env)
+    # --device cuda: the caching allocator's settings the run will have (PYTORCH_CUDA_ALLOC_CONF, as torch reads it;
+    # read by open_session for a CUDA estimate only)
+    alloc_conf: AllocatorConf = field(default_factory=AllocatorConf)
 
     @property
     def offloads(self) -> bool:
@@ -348,6 +349,8 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             "kernels and launch them on fake tensors): estimate it with the GPU hidden, CUDA_VISIBLE_DEVICES= python "
             "-m trainer.estimate ... --device cuda, which translates the CPU's compiled step to CUDA's kernels"
         )
+    cuda = estimate_device(config, device) == "cuda"
+    alloc_conf = AllocatorConf.from_env() if cuda else AllocatorConf()  # a setting torch refuses: one line, now
     facts = build.resolve(config, estimate_device(config, device), estimate=True)
     device, chosen, hf_config, vocab, world = facts.device, facts.precision, facts.hf_config, facts.vocab, facts.world
     notes: list[str] = []
@@ -432,6 +435,7 @@ def open_session(config: Config, device: str | None = None, autocast_cache: bool
             world,
             tensor_parallel=tp,
             group=group,
+            alloc_conf=alloc_conf,
         )
         with session.active():
             # Last step's gradients and AdamW's state, as a real step leaves them: one step on the fake tensors, so a

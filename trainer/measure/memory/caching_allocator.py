@@ -40,6 +40,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from trainer.errors import ConfigError
+
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20  # requests up to 1 MiB: the small pool
 SMALL_BUFFER = 2 << 20  # a small pool's segment
@@ -252,6 +254,18 @@ UNMODELLED_KEYS = (
     "large_segment_size_mb",
     "backend",
 )
+# The keys that change nothing the device's reserved figure counts (host pinned memory, locking, a cap that matters
+# only at an out-of-memory, graph capture): accepted and left aside
+NO_EFFECT_KEYS = (
+    "per_process_memory_fraction",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_use_cuda_host_register",
+    "pinned_reserve_segment_size_mb",
+    "release_lock_on_cudamalloc",
+    "graph_capture_record_stream_reuse",
+    "throw_on_cudamalloc_oom",
+)
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the first set wins, as torch 2.13 reads them
 
 
@@ -280,17 +294,21 @@ class AllocatorConf:
             elif key in UNMODELLED_KEYS:
                 if not (key == "backend" and value == "native"):
                     unmodelled.append(f"{key}:{value}")
-            else:
-                known = ", ".join(("expandable_segments", *UNMODELLED_KEYS))
+            elif key not in NO_EFFECT_KEYS:
+                known = ", ".join(("expandable_segments", *UNMODELLED_KEYS, *NO_EFFECT_KEYS))
                 raise ValueError(f"allocator setting {key!r} is not one of torch's: {known}")
         return cls(expandable, tuple(unmodelled), text)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AllocatorConf:
+        """The setting a run in this environment gets; one that torch would refuse is one line naming the variable."""
         environ = os.environ if environ is None else environ
         for var in ENV_VARS:
-            if environ.get(var):
-                return cls.parse(environ[var])
+            if var in environ:
+                try:
+                    return cls.parse(environ[var])
+                except ValueError as e:
+                    raise ConfigError(f"{var}={environ[var]!r}: {e}") from None
         return cls()
 
     def describe(self) -> str:
