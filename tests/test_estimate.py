@@ -549,6 +549,7 @@ def test_cli_bad_override_is_one_line_exit_2() -> None:
         (["--policies", "bogus"], "--policies"),
         (["--alloc-conf", "expandable_segments:true"], "write True or False"),  # torch's own spelling
         (["--alloc-conf", "expandable:True"], "not one of torch's"),
+        (["model=llama-tiny", "model.rope=complex", "precision=bf16-true"], "imaginary part"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:

@@ -216,6 +216,12 @@ class Config:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+        if self.model.rope == "complex" and self.precision.endswith("-true") and self.precision != "32-true":
+            # the module's cast to 16 bits (Lightning's convert_module) would keep only the complex table's real part
+            raise ValueError(
+                f"model.rope=complex with precision={self.precision}: the 16-bit cast would drop the rotary table's "
+                "imaginary part; use precision=bf16-mixed, as torchtitan trains it"
+            )
         snap, steps = self.measure.snapshot_step, self.trainer.max_steps
         if snap is not None and steps > 0 and snap >= steps:  # steps count from 0
             raise ValueError(
