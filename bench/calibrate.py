@@ -85,6 +85,8 @@ def measure(config: Any, device: torch.device, reps: int) -> dict[str, Any]:
     precision, _ = resolve(config.precision, device.type)
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if "16" in precision else torch.float32
     key = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    if key == "fp32" and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        key = "tf32"  # fp32 GEMMs ran on the TF32 path: the rate a tf32 prediction takes
     out: dict[str, Any] = {"dtype": key, "gemms": []}
     flops = seconds = 0.0
     for name, count, m, k, n in layer_gemms(config):
@@ -146,17 +148,24 @@ def block(figures: dict[str, Any], device: torch.device, overrides: list[str]) -
 
 
 def write(path: Path, text: str) -> None:
-    """`text` as the yaml's `measured:` block: a block already there replaced, the rest of the file kept."""
+    """`text` as the yaml's `measured:` block: one already there (block or flow style) replaced, the rest of the
+    file kept; the result must load as a catalogue entry before it replaces the file (whole or not at all)."""
     lines = path.read_text().splitlines() if path.exists() else []
-    if START in (ln.split("#")[0].strip() for ln in lines):
-        i = next(j for j, ln in enumerate(lines) if ln.split("#")[0].strip() == START)
-        end = i + 1
-        while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+    starts = [j for j, ln in enumerate(lines) if ln.startswith(START)]
+    if starts:
+        i = end = starts[0]
+        end += 1
+        while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
             end += 1
         lines = lines[:i] + lines[end:]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join([*lines, text]) + "\n")
-    tmp.replace(path)  # whole or not at all
+    try:
+        load_catalogue([tmp])
+    except BaseException:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
 
 
 def report(figures: dict[str, Any], device: torch.device, peak: dict[str, float] | None, bandwidth: float) -> str:
@@ -189,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", metavar="YAML", help="put the figures into this catalogue yaml as its measured: block")
     ap.add_argument(
         "--write-matched",
-        action="store_true",
-        help="on a CUDA device: write into the catalogue entry its name matches (conf/gpu/), as bench/gpu.sh does",
+        metavar="DIR",
+        help="on a CUDA device: a copy of the conf/gpu entry its name matches, with the measured: block, into DIR "
+        "(then --catalogue DIR: an entry of the same name replaces the shipped one), as bench/gpu.sh does",
     )
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions of each figure (default 20)")
     args = ap.parse_args(argv)
@@ -207,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             props = torch.cuda.get_device_properties(device)
             gpu = gpu or match_device(props.name, props.total_memory)
             if gpu is None:
-                raise ValueError(f"{props.name} is not in the GPU catalogue: give --write conf/gpu/<a new entry>.yaml")
-            args.write = args.write or gpu.source
+                raise ValueError(f"{props.name} is not in the GPU catalogue: copy an entry, name it, give --write")
+            folder = Path(args.write_matched)
+            folder.mkdir(parents=True, exist_ok=True)
+            copy = folder / Path(gpu.source).name
+            if not copy.exists():  # the shipped entry stays as published; the copy carries the measurement
+                copy.write_text(Path(gpu.source).read_text())
+            args.write = str(copy)
         if args.write and not Path(args.write).is_file():
             raise ValueError(f"--write {args.write}: not a catalogue entry; copy one from conf/gpu/ and name it there")
         if args.write:
@@ -226,8 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     text = block(figures, device, overrides)
     print("\n" + text)
     if args.write:
-        write(Path(args.write), text)
-        load_catalogue([args.write])  # the entry still loads, measured block included
+        try:
+            write(Path(args.write), text)
+        except Exception as e:
+            line = describe_user_error(e)
+            if line is None and not isinstance(e, ValueError):
+                raise
+            print(f"error: {line or e}", file=sys.stderr)
+            return 2
         print(f"\nwrote {args.write}", file=sys.stderr)
     return 0
 

@@ -4,7 +4,7 @@
 #   llama  llama-tiny scaled to GPT-2 small's width and depth (L=12, d=768, 12 heads, 4 key/value heads,
 #          SwiGLU 2048, vocab 32000, eager attention)
 # first the device's calibration (bench.calibrate: its measured: block in the matched conf/gpu entry), then the GPU-only
-# tests (pytest -m gpu). Results go to $OUT: gpu.log (everything printed), calibrate.md and calibrate.diff, <name>.md
+# tests (pytest -m gpu). Results go to $OUT: gpu.log (everything printed), calibrate.md and catalogue/, <name>.md
 # (each benchmark's header, tables and targets), tests.log, bench.tar.gz (every results.csv / results.json /
 # table.md).
 #
@@ -73,8 +73,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| lightni
     local rc=0 files
     if [[ "$DEVICE" == "cuda" ]]; then  # first: the catalogue entry's measured: block, which the benchmarks then use
         echo "== $(date -u +%T) bench.calibrate"
-        timeout 120 "$PY" -m bench.calibrate --write-matched 2>&1 | tee "$OUT/calibrate.md" || rc=1
-        git diff -- conf/gpu > "$OUT/calibrate.diff" 2>/dev/null || true
+        timeout 120 "$PY" -m bench.calibrate --write-matched "$OUT/catalogue" 2>&1 | tee "$OUT/calibrate.md" || rc=1
     fi
     bench gpt2 "${GPT2[@]}" || rc=1
     bench llama "${LLAMA[@]}" || rc=1

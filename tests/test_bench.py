@@ -457,10 +457,17 @@ def test_calibrate_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFix
 
     for args, says in (
         (["--device", "cpu", "--write", str(tmp_path / "none.yaml")], "not a catalogue entry"),
-        (["--device", "cpu", "--write-matched"], "run it on one"),
+        (["--device", "cpu", "--write-matched", str(tmp_path / "catalogue")], "run it on one"),
         (["--device", "cpu", "--reps", "0"], "--reps 0"),
     ):
         assert calibrate.main([*args, *CALIBRATE_SHAPES]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
-    assert not (tmp_path / "none.yaml").exists()
+    assert not (tmp_path / "none.yaml").exists() and not (tmp_path / "catalogue").exists()
+    # a file that would not load afterwards is left as it was: no half-written entry
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(CPU_ENTRY)
+    before = broken.read_text()
+    with pytest.raises(Exception, match="measured"):
+        calibrate.write(broken, "measured: {bandwidth: fast}")
+    assert broken.read_text() == before and not (tmp_path / "broken.yaml.tmp").exists()

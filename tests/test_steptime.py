@@ -304,6 +304,8 @@ def test_every_catalogue_gpu_names_where_its_efficiencies_were_published() -> No
         ("efficiency: {matmul: {range: [0.5, 0.9]}}", "source: where it was published"),
         ("efficiency: {gemm: {range: [0.5, 0.9], source: x}}", "not one of matmul, bandwidth"),
         ("efficiency: {from: Z9000}", "no catalogue entry named 'Z9000'"),
+        ("efficiency: {from: H100-96GB}", "H100-96GB takes its own from H100-80GB; name H100-80GB here"),
+        ("measured: {matmul_tflops: {bf16: fast}}", "x.yaml: measured:"),
     ],
 )
 def test_a_bad_efficiency_block_is_one_line(tmp_path: Path, block: str, says: str) -> None:

@@ -196,7 +196,7 @@ def _measured(node: object, path: Path) -> Measured:
             bandwidth=_rate(node["bandwidth"], f"{path.name}: measured.bandwidth") if "bandwidth" in node else 0.0,
             launch_s=float(node["launch_s"]) if node.get("launch_s") is not None else None,
         )
-    except (AttributeError, TypeError) as e:
+    except (AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"{path.name}: measured: {e}; remake it with python -m bench.calibrate --write") from None
 
 
@@ -208,6 +208,11 @@ def _inherit(gpus: dict[str, Gpu]) -> dict[str, Gpu]:
             base = {k.lower(): v for k, v in gpus.items()}.get(gpu.efficiency_from.lower())
             if base is None:
                 raise ConfigError(f"{gpu.source}: efficiency.from: no catalogue entry named {gpu.efficiency_from!r}")
+            if base.efficiency_from:  # one level: a chain would leave what the middle entry lacks unresolved
+                raise ConfigError(
+                    f"{gpu.source}: efficiency.from: {base.name} takes its own from {base.efficiency_from}; "
+                    f"name {base.efficiency_from} here"
+                )
             inherited = {
                 k: Efficiency(e.low, e.high, f"as {base.name}: {e.source}")
                 for k, e in base.efficiency.items()

@@ -185,12 +185,22 @@ def gpu_speed(gpu: Gpu, fp32_matmul: str | None = None, end: str = "mid") -> Spe
     if fp32_matmul in peaks:
         peaks["fp32"] = peaks[fp32_matmul]
     m = gpu.measured  # bench/calibrate.py's rates on this device: preferred, at both ends (a measurement, no range)
+
+    def measured(rates: dict[str, float], k: str) -> float | None:
+        """The measured rate for dtype `k`: fp32 as calibrate measured it on this run's fp32 path (fp32 or tf32)."""
+        return rates.get(fp32_matmul if k == "fp32" else k) if m else None
+
     matmul = {
-        k: ((1.0, m.matmul[k] if m and k in m.matmul else v * 1e12 * _at(eff["matmul"], end)),)
+        k: ((1.0, measured(m.matmul, k) if m and measured(m.matmul, k) else v * 1e12 * _at(eff["matmul"], end)),)
         for k, v in peaks.items()
     }
     attention = {
-        k: ((1.0, m.attention[k] if m and k in m.attention else v * 1e12 * _at(eff["attention"], end)),)
+        k: (
+            (
+                1.0,
+                measured(m.attention, k) if m and measured(m.attention, k) else v * 1e12 * _at(eff["attention"], end),
+            ),
+        )
         for k, v in peaks.items()
     }
     bw = m.bandwidth if m and m.bandwidth else gpu.bandwidth * _at(eff["bandwidth"], end)
