@@ -141,7 +141,8 @@ class TitanRow:
             return f"{1 - published / self.slow_tokens_per_s:.1%} below it"
         if published > self.fast_tokens_per_s:
             return f"{published / self.fast_tokens_per_s - 1:.1%} above it"
-        return "inside"
+        share = (published - self.slow_tokens_per_s) / (self.fast_tokens_per_s - self.slow_tokens_per_s)
+        return f"inside, {share:.0%} of the way from its slow end"
 
     @property
     def half_width(self) -> float:
@@ -265,8 +266,9 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
         "loss parallelism are torchtitan 0.3.0's own Llama-3-8B configuration; eager SAC is `torchtitan_sac` with "
         "0.3's save list). Tokens per second per GPU as torchtitan counts them, a tensor-parallel group's over its "
         "two GPUs. Their torch is of March 2026, ours 2.13; attention runs as CUDA's flash kernel (what torch's "
-        "default order picks for these bf16 inputs), which their save list names. Both published figures lie "
-        "10-12 % below our intervals, a miss not explained yet: besides what the Table 1 paragraph names, the "
+        "default order picks for these bf16 inputs), which their save list names. The published figures: "
+        + "; ".join(f"{n}, {out['titan_tp'][n].where(tps)}" for n, _, tps, _ in TITAN_TP_TABLE)
+        + ". Where they lie below, it is a miss not explained yet: besides what the Table 1 paragraph names, the "
         "loss-parallel all-reduces are not costed, and FSDP2's and tensor parallelism's traffic are costed as if "
         "each had the NVLink to itself."
     )
@@ -306,8 +308,9 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
         f"that peak (the NVL's {TORCHTITAN_LOW_TFLOPS:g} to the SXM5's 989 dense bf16 TFLOP/s) and the efficiencies "
         "of matmuls, attention kernels, HBM and NCCL measured on H100s (each with its source in docs/step-time.md); "
         "the figure before it is every range at its middle. Nothing in it is fitted to a training row. The "
-        "published figure lies at the interval's slow end; what we believe makes the middle high is what the model "
-        "does not cost: NCCL's kernels slowing the compute they overlap, and stalls beyond a fixed host cost per op."
+        f"published figure, against the interval on their LLaMA: {titan.where(TORCHTITAN_TABLE[0][1])}; what we "
+        "believe makes the middle high is what the model does not cost: NCCL's kernels slowing the compute they "
+        "overlap, and stalls beyond a fixed host cost per op."
     )
     layer_text = (
         f"{KORTHIKANTI}: one 22B layer (h 6144, 64 heads, s 2048, micro-batch 4), forward + backward per GPU at "
