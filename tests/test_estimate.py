@@ -384,6 +384,32 @@ def test_cuda_sdpa_picks_the_kernel_torchs_dispatch_picks(
         assert cuda_sdpa_kernel(q, k, v, attn_mask, 0.0, causal, enable_gqa=kv_heads != 8) == kernel, why
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the rule with torch's own dispatch")
+@pytest.mark.parametrize(
+    "why, dtype, kv_heads, mask, head, keys, only, kernel", SDPA_CASES, ids=[c[0] for c in SDPA_CASES]
+)
+def test_the_sdpa_rule_picks_what_torch_picks_on_this_gpu(
+    why: str, dtype: torch.dtype, kv_heads: int, mask: bool, head: int, keys: int, only: str | None, kernel: str
+) -> None:
+    """On a GPU, torch's own choice (`torch._fused_sdp_choice`) for each case, inputs requiring gradients as in
+    training: the rule's, or cuDNN where the rule says flash (torch puts cuDNN first on sm90/sm100 with a recent
+    cuDNN; the rule keeps flash, the same bytes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer.measure.fake.cuda_attention import cuda_sdpa_kernel
+
+    q = torch.randn(2, 8, 16, head, dtype=dtype, device="cuda", requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, keys, head, dtype=dtype, device="cuda", requires_grad=True) for _ in range(2))
+    attn_mask = torch.ones(16, keys, dtype=torch.bool, device="cuda") if mask else None
+    gqa, causal = kv_heads != 8, attn_mask is None
+    with sdpa_kernel(getattr(SDPBackend, only)) if only else contextlib.nullcontext():
+        ours = cuda_sdpa_kernel(q, k, v, attn_mask, 0.0, causal, enable_gqa=gqa)
+        theirs = SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, causal, enable_gqa=gqa)).name
+    names = {"flash": {"FLASH_ATTENTION", "CUDNN_ATTENTION"}, "efficient": {"EFFICIENT_ATTENTION"}, "math": {"MATH"}}
+    assert theirs in names[ours], (why, ours, theirs)
+
+
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_cuda_math_path_written_out_is_torchs_composite(monkeypatch: pytest.MonkeyPatch, kv_heads: int) -> None:
     """Under dropout the math path is written out (CUDA's fused dropout); with dropout made the identity, it computes

@@ -498,6 +498,41 @@ def test_a_replayed_step_reuses_last_steps_blocks() -> None:
     assert figures.peak_reserved == 500 * MIB  # the old gradient's block held the new one: no fourth segment
 
 
+ALLOCATOR_DRIVER = """
+import json, sys, torch
+ops = json.loads(sys.argv[1])
+torch.cuda.init()
+start, live = torch.cuda.memory_reserved(), {}
+for op, name, nbytes in ops:
+    if op == "m":
+        live[name] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    else:
+        del live[name]
+print(torch.cuda.max_memory_reserved() - start)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the model with torch's allocator")
+@pytest.mark.parametrize("why, ops, default, expandable", EXPANDABLE_CASES, ids=[c[0] for c in EXPANDABLE_CASES])
+def test_torchs_allocator_reserves_what_the_hand_derived_cases_say(
+    why: str, ops: Any, default: int, expandable: int
+) -> None:
+    """The sequences whose answers were derived from torch's source, run through torch's own allocator in a fresh
+    process per setting (it reads PYTORCH_CUDA_ALLOC_CONF once): the same reserved peaks."""
+    import os
+    import subprocess
+    import sys
+
+    for setting, want in (("expandable_segments:False", default), ("expandable_segments:True", expandable)):
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting}
+        r = subprocess.run(
+            [sys.executable, "-c", ALLOCATOR_DRIVER, json.dumps(ops)], env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert int(r.stdout.split()[-1]) == want, (why, setting)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the model with torch's allocator")
 def test_the_allocator_model_reserves_what_torchs_reserves() -> None:
     """The same allocation sequence on this GPU and in the model: the same reserved and allocated peaks."""
