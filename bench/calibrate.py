@@ -147,10 +147,12 @@ def block(figures: dict[str, Any], device: torch.device, overrides: list[str]) -
     )
 
 
-def write(path: Path, text: str) -> None:
+def write(path: Path, text: str, base: Path | None = None) -> None:
     """`text` as the yaml's `measured:` block: one already there (block or flow style) replaced, the rest of the
-    file kept; the result must load as a catalogue entry before it replaces the file (whole or not at all)."""
-    lines = path.read_text().splitlines() if path.exists() else []
+    file kept (a new file starts as `base`); the result must load as a catalogue entry before it replaces the file
+    (whole or not at all)."""
+    source = path if path.exists() or base is None else base
+    lines = source.read_text().splitlines() if source.exists() else []
     starts = [j for j, ln in enumerate(lines) if ln.startswith(START)]
     if starts:
         i = end = starts[0]
@@ -205,51 +207,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions of each figure (default 20)")
     args = ap.parse_args(argv)
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible to this torch; use --device cpu")
-        if args.reps < 1:
-            raise ValueError(f"--reps {args.reps}: give at least 1")
-        gpu = find_gpu(args.gpu) if args.gpu else None
-        if args.write_matched:
-            if device.type != "cuda":
-                raise ValueError("--write-matched matches a CUDA device to its catalogue entry: run it on one")
-            props = torch.cuda.get_device_properties(device)
-            gpu = gpu or match_device(props.name, props.total_memory)
-            if gpu is None:
-                raise ValueError(f"{props.name} is not in the GPU catalogue: copy an entry, name it, give --write")
-            folder = Path(args.write_matched)
-            folder.mkdir(parents=True, exist_ok=True)
-            copy = folder / Path(gpu.source).name
-            if not copy.exists():  # the shipped entry stays as published; the copy carries the measurement
-                copy.write_text(Path(gpu.source).read_text())
-            args.write = str(copy)
-        if args.write and not Path(args.write).is_file():
-            raise ValueError(f"--write {args.write}: not a catalogue entry; copy one from conf/gpu/ and name it there")
-        if args.write:
-            load_catalogue([args.write])  # an entry that loads, before the measuring
-        overrides = list(args.overrides) or list(DEFAULT_OVERRIDES)
-        config = compose_config(overrides)
-        figures = measure(config, device, args.reps)
+        return _calibrate(args)
     except Exception as e:
         line = describe_user_error(e)
         if line is None and not isinstance(e, ValueError):
             raise
         print(f"error: {line or e}", file=sys.stderr)
         return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this torch; use --device cpu")
+    if args.reps < 1:
+        raise ValueError(f"--reps {args.reps}: give at least 1")
+    gpu = find_gpu(args.gpu) if args.gpu else None
+    target, base = Path(args.write) if args.write else None, None
+    if args.write_matched:
+        if device.type != "cuda":
+            raise ValueError("--write-matched matches a CUDA device to its catalogue entry: run it on one")
+        props = torch.cuda.get_device_properties(device)
+        gpu = gpu or match_device(props.name, props.total_memory)
+        if gpu is None:
+            raise ValueError(f"{props.name} is not in the GPU catalogue: copy an entry, name it, give --write")
+        # the shipped entry stays as published; a copy in the folder carries the measurement
+        target, base = Path(args.write_matched) / Path(gpu.source).name, Path(gpu.source)
+    if target is not None and base is None:
+        if not target.is_file():
+            raise ValueError(f"--write {target}: not a catalogue entry; copy one from conf/gpu/ and name it there")
+        load_catalogue([target])  # an entry that loads, before the measuring
+    overrides = list(args.overrides) or list(DEFAULT_OVERRIDES)
+    figures = measure(compose_config(overrides), device, args.reps)
     print(report(figures, device, gpu.tflops if gpu else None, gpu.bandwidth if gpu else 0.0))
     text = block(figures, device, overrides)
     print("\n" + text)
-    if args.write:
-        try:
-            write(Path(args.write), text)
-        except Exception as e:
-            line = describe_user_error(e)
-            if line is None and not isinstance(e, ValueError):
-                raise
-            print(f"error: {line or e}", file=sys.stderr)
-            return 2
-        print(f"\nwrote {args.write}", file=sys.stderr)
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write(target, text, base)
+        print(f"\nwrote {target}", file=sys.stderr)
     return 0
 
 
