@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainer.core.schema import describe_user_error
 from trainer.formatting import add_page_arguments, replace_block
 from trainer.measure.time.calibration import cpu_name
 from trainer.precision import cpu_bf16_native, resolve
@@ -81,3 +82,14 @@ def environment_text(env: dict[str, Any]) -> str:
     req, used = env["precision_requested"], env["precision"]
     parts.append(f"precision={req} → {used}" if req != used else f"precision={used}")
     return ", ".join(parts)
+
+
+def error_status(e: BaseException) -> int:
+    """A benchmark command's ending for a failure: a mistake in its input (a config error, or a ValueError its own
+    checks raise) as one `error:` line on stderr and exit status 2; anything else raised again, with its traceback.
+    trainer.core.schema.user_error_status is the tools' same ending without the ValueError."""
+    line = describe_user_error(e)
+    if line is None and not isinstance(e, ValueError):
+        raise e
+    print(f"error: {line or e}", file=sys.stderr)
+    return 2

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.core.schema import compose_config, describe_user_error
+from bench._readme import error_status
+from trainer.core.schema import compose_config
 from trainer.formatting import markdown_table
 from trainer.measure.gpus import find_gpu, load_catalogue, match_device
 from trainer.precision import resolve
@@ -209,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _calibrate(args)
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None and not isinstance(e, ValueError):
-            raise
-        print(f"error: {line or e}", file=sys.stderr)
-        return 2
+        return error_status(e)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bench._readme import STEP_TIME_PAGE, add_page_arguments, cpu_name, publish, replace_block
-from trainer.core.schema import compose_config, describe_user_error
+from bench._readme import STEP_TIME_PAGE, add_page_arguments, cpu_name, error_status, publish, replace_block
+from trainer.core.schema import compose_config
 from trainer.estimate import Estimate, estimate_all, open_session
 from trainer.estimate.tables import quiet_policy_notices
 from trainer.formatting import markdown_table
@@ -204,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(overrides, gpus, args.workers)
     except Exception as e:
-        line = describe_user_error(e)
-        if line is None and not isinstance(e, ValueError):
-            raise
-        print(f"error: {line or e}", file=sys.stderr)
-        return 2
+        return error_status(e)
     extra = [f"--gpus {args.gpus}"] if gpus != list(GPUS) else []
     command = " ".join([COMMAND, *extra, *args.overrides])
     block = render(out, command)
