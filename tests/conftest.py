@@ -13,6 +13,9 @@ from pathlib import Path
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("CKPTLAB_CACHE", tempfile.mkdtemp(prefix="ckptlab-test-cache-"))
+# pytest -n auto already runs a worker on every core: inductor's pool of compile processes (one per core by default)
+# would only contend with them, so each worker compiles its kernels itself (children inherit it).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
