@@ -1,7 +1,7 @@
 """The published GPU record, estimated: each published configuration the project can express, our estimate beside
 the published figure, with the ratio, the source and the caveats.
 
-    python -m bench.published                  # print the table (under a minute on 2 cores)
+    python -m bench.published                  # print the tables (about a minute on 2 cores)
     python -m bench.published --write-docs     # also rewrite its blocks in docs/benchmarks.md and README.md
 
 Rows:
@@ -29,6 +29,10 @@ Rows:
   GeLU), its TP collectives on the catalogue's NVLink, exposed. The layer's time is the difference between a
   2-layer and a 1-layer model's forward and backward (vocabulary 256, so the head is noise), on fake tensors priced
   by the roofline.
+- Korthikanti et al. 2022, §4.2.3: with 1F1B the first pipeline stage holds the activations of all L layers whatever
+  p is, and the interleaved schedule multiplies them by 1 + (p − 1)/(p·v). Ours is the first rank of GPT-3 175B
+  (96 layers, h 12288, s 2048, micro-batch 1) in 8 stages over 16 micro-batches, torch's schedules on fake tensors
+  (trainer.estimate.pipeline): its step's peak without the gradients over one micro-batch's through the whole model.
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ LAYER = [
 # torchtitan's launcher (run_train.sh) runs every training with the caching allocator's expandable segments
 # (PYTORCH_CUDA_ALLOC_CONF, later PYTORCH_ALLOC_CONF): its reserved figures are that mode's
 TORCHTITAN_ALLOC_CONF = "expandable_segments:True"
+KORTHIKANTI_PP = "Korthikanti et al. 2022, §4.2.3"
+PP_STAGES, PP_MICRO, PP_VIRTUAL = 8, 16, 2  # GPT-3 175B in 8 stages (2 model chunks a rank when interleaved)
 LAYER_GPU = "A100-80GB"
 # (policy, sequence parallelism, forward ms, backward ms, combined ms) of one layer per GPU, published
 KORTHIKANTI_TABLE = (
@@ -208,6 +214,24 @@ def layer_ms(policy: str, sequence_parallel: bool, speed: Speed) -> tuple[float,
     return times[1][0] - times[0][0], times[1][1] - times[0][1]
 
 
+def pipeline_factors() -> dict[str, tuple[float, float]]:
+    """Per schedule, (Korthikanti's factor, ours): the first rank's activations over one micro-batch's through the
+    whole model, GPT-3 175B on fake tensors."""
+    from models.gpt import GPT, GPTConfig
+    from trainer.estimate.pipeline import estimate_rank
+
+    def gpt3() -> GPT:
+        return GPT(GPTConfig(51200, 2048, 96, 96, 12288, dropout=0.0, tie_embeddings=False))
+
+    shape = (1, 2048)
+    whole = estimate_rank(gpt3, 0, 1, "1f1b", 1, shape).activations
+    interleaved = 1 + (PP_STAGES - 1) / (PP_STAGES * PP_VIRTUAL)
+    return {
+        name: (factor, estimate_rank(gpt3, 0, PP_STAGES, name, PP_MICRO, shape, virtual=v).activations / whole)
+        for name, v, factor in (("1f1b", 1, 1.0), ("interleaved_1f1b", PP_VIRTUAL, interleaved))
+    }
+
+
 def collect() -> dict[str, Any]:
     t0 = time.perf_counter()
     titan = torchtitan_fsdp_row()
@@ -220,6 +244,7 @@ def collect() -> dict[str, Any]:
         "titan_ours": titan_ours,
         "titan_tp": titan_tp,
         "layer": layer,
+        "pipeline": pipeline_factors(),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -325,9 +350,28 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     return titan_text, first, tp_text, tp_table, layer_text, second
 
 
+def _pipeline_parts(out: dict[str, Any]) -> tuple[str, str]:
+    """(the pipeline paragraph, its table)."""
+    rows = [
+        [f"`{name}`", f"{factor:.4f}", f"{ours:.4f}", f"{ours / factor:.3f}×"]
+        for name, (factor, ours) in out["pipeline"].items()
+    ]
+    table = markdown_table(("schedule", "Korthikanti's factor", "ours", "ours / theirs"), rows, "lrrr")
+    text = (
+        f"{KORTHIKANTI_PP}: the activations the first pipeline stage holds, as a multiple of one micro-batch's "
+        f"through all L layers. GPT-3 175B (96 layers, h 12288, 96 heads, s 2048, micro-batch 1) in {PP_STAGES} "
+        f"stages over {PP_MICRO} micro-batches, {PP_VIRTUAL} model chunks a rank when interleaved; ours is the first "
+        "rank under torch's own schedule on fake tensors (`trainer.estimate.pipeline`), its step's peak without the "
+        "gradients. Their factor counts the layers only; ours also holds the embedding's output and the P2P buffers "
+        "of the micro-batches in flight, where the whole model holds the head's logits: tests/test_pipeline.py takes "
+        "the difference of two depths, which leaves the layers only, and finds both factors exactly."
+    )
+    return text, table
+
+
 def render(out: dict[str, Any]) -> str:
     """The whole page block: sources, caveats and reasons, each table after its paragraph (docs/benchmarks.md)."""
-    return "\n\n".join(_parts(out))
+    return "\n\n".join([*_parts(out), *_pipeline_parts(out)])
 
 
 def summary(out: dict[str, Any]) -> str:

@@ -224,6 +224,39 @@ def test_each_pipeline_rank_is_estimated_to_the_byte(tmp_path: Path) -> None:
     for family, schedule, virtual, policy in BYTES_CASES:
         case = f"{family} {schedule} {policy}"
         for rank in range(2):
-            est = estimate_rank(lambda f=family: _model(f), rank, 2, schedule, MICRO, (B, T), policy, virtual=virtual)
+            est = estimate_rank(
+                lambda f=family: _model(f), rank, 2, schedule, MICRO, (B, T), policy, virtual=virtual
+            ).peak
             assert est == measured[rank][case], (case, rank, est, measured[rank][case])
     assert all(measured[0][f"{f} 1f1b none"] > measured[1][f"{f} 1f1b none"] for f in ("gpt", "llama"))
+
+
+def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
+    """Korthikanti et al. 2022, §4.2.3, at GPT-3's layer (h 12288, 96 heads, s 2048, micro-batch 1, m = 8
+    micro-batches): under 1F1B the first stage keeps p micro-batches of its L/p layers in flight, so it holds the
+    activations of one micro-batch through all L layers whatever p is; the interleaved schedule (v = 2 model chunks a
+    rank) multiplies that by 1 + (p − 1)/(p·v); GPipe keeps all m micro-batches, m/p times it. The formulas count the
+    layers only, so each figure is the difference between a 16- and an 8-layer model (the first rank's activations:
+    its step's peak without the gradients, on fake tensors), which leaves out the embedding, the head and the P2P
+    buffers; against one micro-batch through the whole model (one stage), exactly."""
+    from models.gpt import GPT, GPTConfig
+    from trainer.estimate.pipeline import estimate_rank
+
+    m, shape = 8, (1, 2048)
+
+    def layers8(*args: Any, **kwargs: Any) -> int:
+        """The first rank's activations of a 16-layer GPT-3 less those of an 8-layer one: 8 layers' worth."""
+
+        def gpt3(n_layer: int) -> Any:
+            return lambda: GPT(GPTConfig(51200, 2048, n_layer, 96, 12288, dropout=0.0, tie_embeddings=False))
+
+        return (
+            estimate_rank(gpt3(16), 0, *args, **kwargs).activations
+            - estimate_rank(gpt3(8), 0, *args, **kwargs).activations
+        )
+
+    whole = layers8(1, "1f1b", 1, shape)
+    for p in (2, 4):
+        assert layers8(p, "1f1b", m, shape) == whole, p
+        assert layers8(p, "interleaved_1f1b", m, shape, virtual=2) * 2 * p == whole * (2 * p + p - 1), p
+    assert layers8(2, "gpipe", m, shape) * 2 == whole * m

@@ -13,8 +13,9 @@ flight included.
 
 Example::
 
-    peak = estimate_rank(lambda: Llama(cfg), rank=0, world=2, schedule="1f1b", n_microbatches=4,
-                         micro_batch=(2, 16), policy="full", loss=LossConfig())
+    rank0 = estimate_rank(lambda: Llama(cfg), rank=0, world=2, schedule="1f1b", n_microbatches=4,
+                          micro_batch=(2, 16), policy="full", loss=LossConfig())
+    rank0.peak, rank0.activations
 
 Known limitations: a bare step (no optimizer, no clipping); torch ≥ 2.13's pipelining internals (`_warmup_p2p`,
 `InferenceMode`); one process with no process group of its own (it becomes rank `rank` of a fake group).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,13 @@ from trainer.parallel.pipeline import (
     stage_loss,
     step_rank,
 )
+
+
+class RankPeak(NamedTuple):
+    """One pipeline rank's steady-state step, in bytes."""
+
+    peak: int  # everything the step allocated, at its peak: activations, P2P buffers, the stages' gradients
+    activations: int  # the same step's peak without the gradients: what the micro-batches in flight hold
 
 
 class _HeldWork:
@@ -88,8 +96,8 @@ def estimate_rank(
     policy: Any = "none",
     loss: LossConfig | None = None,
     virtual: int = 1,
-) -> int:
-    """Bytes at the peak of a steady-state step of pipeline rank `rank` of `world` (its stages rank, rank + world, …
+) -> RankPeak:
+    """The peaks of a steady-state step of pipeline rank `rank` of `world` (its stages rank, rank + world, …
     for `virtual` stages a rank): the step's own allocations (activations, gradients, P2P buffers) as the live-tensor
     tracker counts them, `build()` making the whole model (on fake tensors here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -120,11 +128,10 @@ def estimate_rank(
         sched._warmup_p2p = static
         vocab = modules[0].model.config.vocab_size
         x, y = (torch.randint(0, vocab, (n_microbatches * micro_batch[0], micro_batch[1])) for _ in range(2))
-        peak = 0
         for _ in range(2):  # the second step is the steady state: the first builds the P2P buffers
             for m in modules:
                 m.zero_grad(set_to_none=True)
             with LiveTensorTracker() as tracker:
                 step_rank(sched, ids, n_stages, x, y)
-            peak = tracker.peak_bytes
-        return peak
+        grads = [p.grad for m in modules for p in m.parameters()]
+        return RankPeak(tracker.peak_bytes, tracker.peak_bytes_excluding(grads))
