@@ -204,9 +204,55 @@ def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
                 with LiveTensorTracker() as tracker:
                     step_rank(sched, ids, n_stages, x, y)
             report[f"{family} {schedule} {policy}"] = tracker.peak_bytes
+        report["configured"] = _configured_rank_peak(rank, world, x, y)
         Path(out, f"{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+# A configuration as a user writes it: `python -m trainer.estimate` with these overrides prints each rank's peaks.
+CONFIGURED = [
+    "model=llama-tiny",
+    "model.n_layer=4",
+    f"seq_len={T}",
+    f"batch_size={B}",
+    f"accum={MICRO}",
+    "trainer.devices=2",
+    "trainer.pipeline_parallel=2",
+    "policy=full",
+    "precision=32-true",
+]
+
+
+def _configured_rank_peak(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> int:
+    """This rank's steady-state peak for CONFIGURED, built from the composed config as the estimator builds it."""
+    from models import build_model
+    from trainer.core.schema import compose_config, model_vocab
+    from trainer.measure.memory.tracker import LiveTensorTracker
+    from trainer.parallel.pipeline import (
+        PipelineStageModule,
+        build_schedule,
+        pipeline_stage,
+        prune_to_stage,
+        stage_loss,
+        step_rank,
+    )
+    from trainer.policies import apply_policy
+
+    config = compose_config(CONFIGURED)
+    vocab = model_vocab(config)
+    assert vocab is not None
+    model = prune_to_stage(build_model(config.model, vocab), rank, world)
+    apply_policy(model, config.policy)
+    module = PipelineStageModule(model)
+    stage = pipeline_stage(module, rank, world, (B, T), config.model.n_embd, torch.float32)
+    sched = build_schedule("1f1b", [stage], MICRO, stage_loss(module, config.loss))
+    x, y = x % vocab, y % vocab
+    for _ in range(2):
+        module.zero_grad(set_to_none=True)
+        with LiveTensorTracker() as tracker:
+            step_rank(sched, [rank], world, x, y)
+    return tracker.peak_bytes
 
 
 @pytest.mark.slow
@@ -229,6 +275,14 @@ def test_each_pipeline_rank_is_estimated_to_the_byte(tmp_path: Path) -> None:
             ).peak
             assert est == measured[rank][case], (case, rank, est, measured[rank][case])
     assert all(measured[0][f"{f} 1f1b none"] > measured[1][f"{f} 1f1b none"] for f in ("gpt", "llama"))
+    # the estimator's command on the same configuration: each rank's printed peak is the one that rank measured
+    from trainer.estimate.cli import main as estimate_main
+
+    out = tmp_path / "estimate.json"
+    assert estimate_main([*CONFIGURED, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["peak"] for r in doc["per_rank"]] == [measured[r]["configured"] for r in range(2)]
+    assert [r["layers"] for r in doc["per_rank"]] == [[[0, 2]], [[2, 4]]]
 
 
 def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
@@ -260,3 +314,41 @@ def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
         assert layers8(p, "1f1b", m, shape) == whole, p
         assert layers8(p, "interleaved_1f1b", m, shape, virtual=2) * 2 * p == whole * (2 * p + p - 1), p
     assert layers8(2, "gpipe", m, shape) * 2 == whole * m
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["accum=1"], "needs at least 2 micro-batches a step; accum=1 gives 1: set accum=2 or more"),
+        (["model.n_layer=3"], "cannot split model.n_layer=3 evenly"),
+        (["trainer.pipeline_virtual=2"], "only trainer.pipeline_schedule=interleaved_1f1b runs"),
+        (["trainer.pipeline_schedule=interleaved_1f1b", "trainer.pipeline_virtual=2", "accum=5"], "multiple of 2"),
+        (["trainer.pipeline_schedule=zero_bubble"], "choose one of gpipe, 1f1b, interleaved_1f1b"),
+        (["trainer.devices=4"], "set trainer.devices=2"),
+        (["model=tiny"], "set model.tie_embeddings=false"),
+        (["trainer=fsdp2"], "not estimated yet; use trainer=ddp"),
+        (["trainer.compile=true"], "drop trainer.compile"),
+        (["policy=auto", "policy.budget_mib=10"], "a per-block plan"),
+        (["precision=bf16-mixed"], "add precision=32-true"),
+        (["--fit"], "--fit does not take pipeline stages yet"),
+    ],
+)
+def test_a_pipeline_the_estimate_cannot_take_is_one_line(
+    overrides: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad input or what the pipeline estimate does not cover yet: one line naming the fix, nothing estimated."""
+    from trainer.estimate.cli import main as estimate_main
+
+    assert estimate_main([*CONFIGURED, *overrides]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and says in captured.err, captured.err
+
+
+def test_a_run_or_a_check_of_pipeline_stages_refuses_and_names_the_estimate() -> None:
+    """train.py and trainer.check settle a configuration through `resolve`: stages are estimated, not yet trained."""
+    from trainer.core.resolve import resolve
+    from trainer.core.schema import compose_config
+
+    with pytest.raises(ConfigError, match="not yet trained: python -m trainer.estimate"):
+        resolve(compose_config(CONFIGURED))
+    assert resolve(compose_config(CONFIGURED), "cpu", estimate=True).world == 1

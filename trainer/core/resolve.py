@@ -22,6 +22,7 @@ import torch
 from trainer import precision as precision_
 from trainer.core.schema import Config, model_vocab
 from trainer.errors import ConfigError
+from trainer.parallel.pipeline import PipelineLayout, layout
 from trainer.policies import build_policy, needs_attention_seam, no_seam_refusal
 
 
@@ -107,6 +108,35 @@ def tensor_parallel(config: Config) -> int:
     return degree
 
 
+def pipeline_parallel(config: Config) -> PipelineLayout | None:
+    """trainer.pipeline_parallel's layout (None without stages), its refusals first: what the estimate of a pipeline
+    rank does not cover yet is refused in one line, not estimated as something else."""
+    t = config.trainer
+    if t.pipeline_parallel == 1:
+        if t.pipeline_virtual > 1:
+            raise ConfigError(f"trainer.pipeline_virtual={t.pipeline_virtual} needs trainer.pipeline_parallel > 1")
+        return None
+    degree = t.pipeline_parallel
+    what = f"trainer.pipeline_parallel={degree}"
+    if config.model.family == "hf":
+        raise ConfigError(f"{what} cuts a native family's layers (gpt, llama); a Hugging Face model has no pruned form")
+    if config.model.tie_embeddings:
+        raise ConfigError(
+            f"{what}: tied embeddings put one weight on the first and the last stage; set model.tie_embeddings=false"
+        )
+    if t.strategy == "fsdp2" or t.tensor_parallel > 1:
+        raise ConfigError(f"{what} with FSDP2 or tensor parallelism is not estimated yet; use trainer=ddp")
+    if t.devices != degree or t.num_nodes != 1:
+        raise ConfigError(f"{what} runs one stage's rank per device: set trainer.devices={degree}")
+    policy = build_policy(config.policy)
+    if t.compile or policy.caps.requires_compile or policy.caps.planned_first:
+        raise ConfigError(
+            f"{what} is estimated eager with a policy named for every block; drop trainer.compile and use none, full, "
+            "selective, op_sac, torchtitan_sac or a per-block plan (policy=per_block)"
+        )
+    return layout(degree, t.pipeline_schedule, t.pipeline_virtual, config.accum, config.model.n_layer)
+
+
 def loss_refused_under_tensor_parallel(loss: str, degree: int) -> str | None:
     """Why loss head `loss` cannot run split `degree` ways (None: it can): chunked and fused read the head's weight
     directly, which tensor parallelism splits by vocabulary, outside the head's module and its hooks."""
@@ -153,6 +183,11 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     device = device or train_device(config)
     chosen, why = settle_precision(config, device, estimate=estimate)
     world, tp = sharded_world(config), tensor_parallel(config)
+    if pipeline_parallel(config) is not None and not estimate:
+        raise ConfigError(
+            f"trainer.pipeline_parallel={config.trainer.pipeline_parallel} is estimated per rank, not yet trained: "
+            "python -m trainer.estimate with the same overrides prints each rank's peaks"
+        )
     policy = build_policy(config.policy)
     if policy.caps.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank
         split = "trainer.tensor_parallel" if tp > 1 else "trainer=fsdp2"

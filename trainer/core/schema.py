@@ -129,6 +129,12 @@ class TrainerConfig:
     # torchtitan's loss parallelism: the head's logits stay split by vocabulary through the cross-entropy (torch's
     # loss_parallel), where a plan splits the head so; off, they are gathered whole on every rank first.
     loss_parallel: bool = True
+    # Pipeline stages (torch.distributed.pipelining): the layers cut into this many consecutive stages, one a device
+    # (pipeline_virtual a device under interleaved_1f1b), pipeline_schedule running `accum` micro-batches a step.
+    # Estimated per rank (python -m trainer.estimate); not yet trained by train.py.
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | gpipe
+    pipeline_virtual: int = 1
     compile: bool = False  # torch.compile the model (after the policy is applied)
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
@@ -152,6 +158,8 @@ class TrainerConfig:
             "val_batches",
             "num_nodes",
             "tensor_parallel",
+            "pipeline_parallel",
+            "pipeline_virtual",
             "checkpoint_every_n_steps",
             "keep_checkpoints",
         ):

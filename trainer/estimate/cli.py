@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from trainer import precision as precision_
+from trainer.core import resolve
 from trainer.core.rundir import check_writable, write_json_atomic
 from trainer.core.schema import OneLineParser, compose_config, user_error_status
 from trainer.errors import UserError
 from trainer.estimate.advise import Advice, advise, where_the_peak_is
 from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
+from trainer.estimate.pipeline import estimate_pipeline
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table, mib
@@ -25,6 +27,7 @@ from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_c
 from trainer.measure.memory.caching_allocator import AllocatorConf
 from trainer.measure.time.calibration import REFERENCE_GPU, speed_for
 from trainer.measure.time.roofline import Speed, StepTime, gpu_speed
+from trainer.parallel.pipeline import PipelineLayout
 from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -573,6 +576,58 @@ def render_compile_vs_eager(
     )
 
 
+def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
+    """trainer.pipeline_parallel > 1: every rank's steady-state step on fake tensors (trainer.estimate.pipeline),
+    printed as one table and, with --json, written; what the pipeline estimate does not cover is refused first."""
+    for flag, given in (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager)):
+        if given:
+            raise UserError(f"{flag} does not take pipeline stages yet; drop it (or trainer.pipeline_parallel)")
+    device = estimate_device(config, args.device)
+    if device != "cpu":
+        raise UserError(f"trainer.pipeline_parallel is estimated for the CPU only yet; add --device cpu (not {device})")
+    chosen, _ = resolve.settle_precision(config, device, estimate=True)
+    if chosen != "32-true":
+        raise UserError(f"trainer.pipeline_parallel is estimated in fp32 only yet, not {chosen}: add precision=32-true")
+    ranks = estimate_pipeline(config, pipeline)
+    per = f"{pipeline.virtual} stages a rank, " if pipeline.virtual > 1 else ""
+    policy = build_policy(config.policy).name
+    head = (
+        f"{config.model.name}, policy={policy}: {pipeline.n_stages} pipeline stages on {pipeline.ranks} "
+        f"ranks ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of {config.batch_size} × "
+        f"{config.seq_len} tokens), each rank's steady-state step on fake tensors: activations are the micro-batches "
+        "in flight; the step's peak adds the stages' gradients and P2P buffers; parameters are held throughout (no "
+        "optimizer state, no precision plugin: a bare step, fp32)."
+    )
+    rows = [
+        [
+            str(r.rank),
+            ", ".join(f"{s} ({lay.start}-{lay.stop - 1})" for s, lay in zip(r.stages, r.layers, strict=True)),
+            mib(r.figures.parameters),
+            mib(r.figures.activations),
+            mib(r.figures.peak),
+        ]
+        for r in ranks
+    ]
+    table = markdown_table(
+        ("rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB"), rows, "llrrr"
+    )
+    print(f"{head}\n\n{table}")
+    if args.json_path:
+        doc = {
+            "pipeline": {"ranks": pipeline.ranks, "schedule": pipeline.schedule, "virtual": pipeline.virtual}
+            | {"n_microbatches": pipeline.n_microbatches, "micro_batch": [config.batch_size, config.seq_len]},
+            "per_rank": [
+                {"rank": r.rank, "stages": r.stages, "layers": [[lay.start, lay.stop] for lay in r.layers]}
+                | r.figures._asdict()
+                for r in ranks
+            ],
+        }
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, doc)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
@@ -601,6 +656,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     session: Session | None = None
     try:
         config = compose_config(args.overrides)
+        pipeline = resolve.pipeline_parallel(config)
+        if pipeline is not None:
+            return _pipeline_main(args, config, pipeline)
         policy = build_policy(config.policy)
         device = estimate_device(config, args.device or ("cuda" if args.fit or args.gpu else None))
         speed = None if args.no_time else speed_for(device, args.gpu, args.catalogue)

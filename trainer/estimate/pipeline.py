@@ -36,10 +36,12 @@ from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
 from trainer.measure.memory.tracker import LiveTensorTracker
 from trainer.parallel.pipeline import (
+    PipelineLayout,
     PipelineStageModule,
     build_schedule,
     pipeline_stage,
     prune_to_stage,
+    stage_layers,
     stage_loss,
     step_rank,
 )
@@ -50,6 +52,16 @@ class RankPeak(NamedTuple):
 
     peak: int  # everything the step allocated, at its peak: activations, P2P buffers, the stages' gradients
     activations: int  # the same step's peak without the gradients: what the micro-batches in flight hold
+    parameters: int = 0  # the rank's stages' parameters, held before and after the step
+
+
+class RankEstimate(NamedTuple):
+    """One rank of a configured pipeline (`estimate_pipeline`): its stages, their layers and its peaks."""
+
+    rank: int
+    stages: list[int]
+    layers: list[range]  # the global layer indices each of its stages holds
+    figures: RankPeak
 
 
 class _HeldWork:
@@ -133,5 +145,33 @@ def estimate_rank(
                 m.zero_grad(set_to_none=True)
             with LiveTensorTracker() as tracker:
                 step_rank(sched, ids, n_stages, x, y)
-        grads = [p.grad for m in modules for p in m.parameters()]
-        return RankPeak(tracker.peak_bytes, tracker.peak_bytes_excluding(grads))
+        params = [p for m in modules for p in m.parameters()]
+        weights = sum(p.numel() * p.element_size() for p in params)
+        return RankPeak(tracker.peak_bytes, tracker.peak_bytes_excluding([p.grad for p in params]), weights)
+
+
+def estimate_pipeline(config: Any, pipeline: PipelineLayout) -> list[RankEstimate]:
+    """Every rank of `config`'s pipeline (trainer.core.resolve.pipeline_parallel settles `pipeline`), each estimated as
+    `estimate_rank` estimates it: the configured model, policy and loss head, `accum` micro-batches of batch_size ×
+    seq_len a step. fp32 only (the stages' bare step runs no precision plugin)."""
+    from models import build_model
+    from trainer.core.schema import model_vocab
+
+    vocab = model_vocab(config)
+    ranks = []
+    for rank in range(pipeline.ranks):
+        ids = pipeline.stages_of(rank)
+        figures = estimate_rank(
+            lambda: build_model(config.model, vocab),
+            rank,
+            pipeline.ranks,
+            pipeline.schedule,
+            pipeline.n_microbatches,
+            (config.batch_size, config.seq_len),
+            config.policy,
+            config.loss,
+            pipeline.virtual,
+        )
+        layers = [stage_layers(config.model.n_layer, pipeline.n_stages, s) for s in ids]
+        ranks.append(RankEstimate(rank, ids, layers, figures))
+    return ranks

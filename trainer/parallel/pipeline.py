@@ -19,12 +19,14 @@ Example::
     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
 
 Known limitations: native families only (a Hugging Face model's forward has no pruned form); tied embeddings (the
-embedding on the first stage, the head on the last) are refused; not yet run by train.py nor estimated.
+embedding on the first stage, the head on the last) are refused; estimated per rank (trainer.estimate.pipeline), not
+yet run by train.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +37,50 @@ from trainer.errors import ConfigError
 from trainer.loss import LossConfig, head_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """A pipeline as torch's schedules will run it, checked (`layout`): `ranks` ranks holding `virtual` stages each
+    (rank r: stages r, r + ranks, …), `n_microbatches` micro-batches a step."""
+
+    ranks: int
+    schedule: str
+    virtual: int
+    n_microbatches: int
+
+    @property
+    def n_stages(self) -> int:
+        return self.ranks * self.virtual
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + self.ranks * v for v in range(self.virtual)]
+
+
+def layout(ranks: int, schedule: str, virtual: int, n_microbatches: int, n_layer: int) -> PipelineLayout:
+    """The layout of trainer.pipeline_parallel=`ranks`, refused in one line where torch's schedule would refuse it
+    later (or where the stages cannot split the layers), each naming the setting that fixes it."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"trainer.pipeline_schedule={schedule}: choose one of {', '.join(SCHEDULES)}")
+    if virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"trainer.pipeline_virtual={virtual} puts several stages on a rank, which only "
+            "trainer.pipeline_schedule=interleaved_1f1b runs; set trainer.pipeline_virtual=1 or change the schedule"
+        )
+    found = PipelineLayout(ranks, schedule, virtual, n_microbatches)
+    stage_layers(n_layer, found.n_stages, 0)  # the stages split the layers evenly, or one line
+    if schedule == "1f1b" and n_microbatches < found.n_stages:  # torch's Schedule1F1B refuses it
+        raise ConfigError(
+            f"trainer.pipeline_schedule=1f1b over {found.n_stages} stages needs at least {found.n_stages} "
+            f"micro-batches a step; accum={n_microbatches} gives {n_microbatches}: set accum={found.n_stages} or more"
+        )
+    rounds = max(1, n_microbatches // ranks)
+    if schedule == "interleaved_1f1b" and n_microbatches % rounds:  # torch's interleaved schedule refuses it
+        raise ConfigError(
+            f"trainer.pipeline_schedule=interleaved_1f1b runs its micro-batches in rounds of {ranks}; "
+            f"accum={n_microbatches} does not split into them: set accum to a multiple of {ranks}"
+        )
+    return found
 
 
 def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
