@@ -3,6 +3,7 @@ own schedules on 2 gloo processes trains as one process does over the same micro
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -165,10 +166,19 @@ BYTES_CASES = [
 ]
 
 
-def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from trainer.loss import LossConfig
+def _measured_peak(
+    build: Any,
+    rank: int,
+    world: int,
+    schedule: str,
+    virtual: int,
+    policy: Any,
+    loss: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> int:
+    """This rank's steady-state step on the real process group, `build()` making the whole model, counted by the
+    live-tensor tracker as a run counts it."""
     from trainer.measure.memory.tracker import LiveTensorTracker
     from trainer.parallel.pipeline import (
         PipelineStageModule,
@@ -180,34 +190,22 @@ def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
     )
     from trainer.policies import apply_policy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        g = torch.Generator().manual_seed(1)
-        x, y = (torch.randint(0, VOCAB, (MICRO * B, T), generator=g) for _ in range(2))
-        report = {}
-        for family, schedule, virtual, policy in BYTES_CASES:
-            n_stages, ids = world * virtual, [rank + world * v for v in range(virtual)]
-            modules = []
-            for s in ids:
-                model = prune_to_stage(_model(family), s, n_stages)
-                apply_policy(model, policy)
-                modules.append(PipelineStageModule(model))
-            stages = [
-                pipeline_stage(m, s, n_stages, (B, T), 32, torch.float32) for m, s in zip(modules, ids, strict=True)
-            ]
-            last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
-            sched = build_schedule(schedule, stages, MICRO, stage_loss(last, LossConfig()))
-            for _ in range(2):  # the second step is the steady state
-                for m in modules:
-                    m.zero_grad(set_to_none=True)
-                with LiveTensorTracker() as tracker:
-                    step_rank(sched, ids, n_stages, x, y)
-            report[f"{family} {schedule} {policy}"] = tracker.peak_bytes
-        report["configured"] = _configured_rank_peak(rank, world, x, y)
-        Path(out, f"{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+    n_stages, ids = world * virtual, [rank + world * v for v in range(virtual)]
+    modules = []
+    for s in ids:
+        model = prune_to_stage(build(), s, n_stages)
+        apply_policy(model, policy)
+        modules.append(PipelineStageModule(model))
+    hidden = modules[0].model.config.n_embd
+    stages = [pipeline_stage(m, s, n_stages, (B, T), hidden, torch.float32) for m, s in zip(modules, ids, strict=True)]
+    last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
+    sched = build_schedule(schedule, stages, MICRO, stage_loss(last, loss))
+    for _ in range(2):  # the second step is the steady state
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        with LiveTensorTracker() as tracker:
+            step_rank(sched, ids, n_stages, x, y)
+    return tracker.peak_bytes
 
 
 # A configuration as a user writes it: `python -m trainer.estimate` with these overrides prints each rank's peaks.
@@ -224,35 +222,32 @@ CONFIGURED = [
 ]
 
 
-def _configured_rank_peak(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> int:
-    """This rank's steady-state peak for CONFIGURED, built from the composed config as the estimator builds it."""
+def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
     from models import build_model
     from trainer.core.schema import compose_config, model_vocab
-    from trainer.measure.memory.tracker import LiveTensorTracker
-    from trainer.parallel.pipeline import (
-        PipelineStageModule,
-        build_schedule,
-        pipeline_stage,
-        prune_to_stage,
-        stage_loss,
-        step_rank,
-    )
-    from trainer.policies import apply_policy
+    from trainer.loss import LossConfig
 
-    config = compose_config(CONFIGURED)
-    vocab = model_vocab(config)
-    assert vocab is not None
-    model = prune_to_stage(build_model(config.model, vocab), rank, world)
-    apply_policy(model, config.policy)
-    module = PipelineStageModule(model)
-    stage = pipeline_stage(module, rank, world, (B, T), config.model.n_embd, torch.float32)
-    sched = build_schedule("1f1b", [stage], MICRO, stage_loss(module, config.loss))
-    x, y = x % vocab, y % vocab
-    for _ in range(2):
-        module.zero_grad(set_to_none=True)
-        with LiveTensorTracker() as tracker:
-            step_rank(sched, [rank], world, x, y)
-    return tracker.peak_bytes
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, y = (torch.randint(0, VOCAB, (MICRO * B, T), generator=g) for _ in range(2))
+        report = {}
+        for family, schedule, virtual, policy in BYTES_CASES:
+            build = functools.partial(_model, family)
+            peak = _measured_peak(build, rank, world, schedule, virtual, policy, LossConfig(), x, y)
+            report[f"{family} {schedule} {policy}"] = peak
+        # CONFIGURED, its model built from the composed config as the estimator builds it
+        config = compose_config(CONFIGURED)
+        vocab = model_vocab(config)
+        assert vocab is not None
+        build = functools.partial(build_model, config.model, vocab)
+        report["configured"] = _measured_peak(build, rank, world, "1f1b", 1, config.policy, config.loss, x, y)
+        Path(out, f"{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
