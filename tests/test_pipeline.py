@@ -326,6 +326,7 @@ def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
         (["policy=auto", "policy.budget_mib=10"], "a per-block plan"),
         (["precision=bf16-mixed"], "add precision=32-true"),
         (["--fit"], "--fit does not take pipeline stages yet"),
+        (["--gpu", "H100-80GB"], "--gpu does not take pipeline stages yet"),
     ],
 )
 def test_a_pipeline_the_estimate_cannot_take_is_one_line(
@@ -347,3 +348,21 @@ def test_a_run_or_a_check_of_pipeline_stages_refuses_and_names_the_estimate() ->
     with pytest.raises(ConfigError, match="not yet trained: python -m trainer.estimate"):
         resolve(compose_config(CONFIGURED))
     assert resolve(compose_config(CONFIGURED), "cpu", estimate=True).world == 1
+
+
+def test_the_ranks_together_run_the_flops_of_one_process() -> None:
+    """The step-time model prices each rank's own ops (its step on fake tensors, traced op by op): over the ranks of
+    every schedule they are the FLOPs of the whole model running the same micro-batches in one process, `full`'s
+    recompute included, so cutting the model into stages neither loses nor repeats compute."""
+    from trainer.estimate.pipeline import estimate_rank
+
+    def flops(world: int, rank: int, schedule: str, virtual: int = 1) -> int:
+        work = estimate_rank(
+            lambda: _model("llama"), rank, world, schedule, MICRO, (B, T), "full", virtual=virtual
+        ).work
+        assert work is not None
+        return work.flops
+
+    whole = flops(1, 0, "1f1b")
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        assert sum(flops(2, rank, schedule, virtual) for rank in range(2)) == whole, schedule

@@ -19,7 +19,7 @@ from trainer.errors import UserError
 from trainer.estimate.advise import Advice, advise, where_the_peak_is
 from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
-from trainer.estimate.pipeline import estimate_pipeline
+from trainer.estimate.pipeline import bubble, estimate_pipeline
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table, mib
@@ -579,7 +579,8 @@ def render_compile_vs_eager(
 def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
     """trainer.pipeline_parallel > 1: every rank's steady-state step on fake tensors (trainer.estimate.pipeline),
     printed as one table and, with --json, written; what the pipeline estimate does not cover is refused first."""
-    for flag, given in (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager)):
+    flags = (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager))
+    for flag, given in (*flags, ("--gpu", args.gpu)):
         if given:
             raise UserError(f"{flag} does not take pipeline stages yet; drop it (or trainer.pipeline_parallel)")
     device = estimate_device(config, args.device)
@@ -589,6 +590,10 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
     if chosen != "32-true":
         raise UserError(f"trainer.pipeline_parallel is estimated in fp32 only yet, not {chosen}: add precision=32-true")
     ranks = estimate_pipeline(config, pipeline)
+    speed = None if args.no_time else speed_for(device, None, args.catalogue)
+    compute = [speed.predict(r.figures.work).ms if speed and r.figures.work else None for r in ranks]
+    slowest = max((ms for ms in compute if ms is not None), default=None)
+    step_ms = None if slowest is None else slowest * (1 + bubble(pipeline))
     per = f"{pipeline.virtual} stages a rank, " if pipeline.virtual > 1 else ""
     policy = build_policy(config.policy).name
     head = (
@@ -606,21 +611,32 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
             mib(r.figures.activations),
             mib(r.figures.peak),
         ]
-        for r in ranks
+        + ([] if ms is None else [f"{ms:,.1f}"])
+        for r, ms in zip(ranks, compute, strict=True)
     ]
-    table = markdown_table(
-        ("rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB"), rows, "llrrr"
-    )
+    columns = ["rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB"]
+    if step_ms is not None:
+        columns.append("compute ms")
+    table = markdown_table(columns, rows, "llrrrr"[: len(columns)])
     print(f"{head}\n\n{table}")
+    if step_ms is not None and speed is not None:
+        print(
+            f"\nstep ≈ {step_ms:,.1f} ms on {speed.name}: the slowest rank's {slowest:,.1f} ms of compute (all its "
+            f"micro-batches) plus the pipeline's bubble, {bubble(pipeline):.0%} of it ((p − 1)/(v·m), Narayanan et al. "
+            "2021: stages of equal time; the P2P transfers are not costed)."
+        )
     if args.json_path:
         doc = {
             "pipeline": {"ranks": pipeline.ranks, "schedule": pipeline.schedule, "virtual": pipeline.virtual}
             | {"n_microbatches": pipeline.n_microbatches, "micro_batch": [config.batch_size, config.seq_len]},
             "per_rank": [
                 {"rank": r.rank, "stages": r.stages, "layers": [[lay.start, lay.stop] for lay in r.layers]}
-                | r.figures._asdict()
-                for r in ranks
+                | {"peak": r.figures.peak, "activations": r.figures.activations, "parameters": r.figures.parameters}
+                | {"compute_ms": ms}
+                for r, ms in zip(ranks, compute, strict=True)
             ],
+            "bubble": bubble(pipeline),
+            "step_ms": step_ms,
         }
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

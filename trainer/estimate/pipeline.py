@@ -35,6 +35,7 @@ from trainer.errors import ConfigError
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
 from trainer.measure.memory.tracker import LiveTensorTracker
+from trainer.measure.time.op_trace import OpTrace, Work
 from trainer.parallel.pipeline import (
     PipelineLayout,
     PipelineStageModule,
@@ -53,6 +54,7 @@ class RankPeak(NamedTuple):
     peak: int  # everything the step allocated, at its peak: activations, P2P buffers, the stages' gradients
     activations: int  # the same step's peak without the gradients: what the micro-batches in flight hold
     parameters: int = 0  # the rank's stages' parameters, held before and after the step
+    work: Work | None = None  # the same step's ops (trainer.measure.time.op_trace), for the step-time model
 
 
 class RankEstimate(NamedTuple):
@@ -143,11 +145,18 @@ def estimate_rank(
         for _ in range(2):  # the second step is the steady state: the first builds the P2P buffers
             for m in modules:
                 m.zero_grad(set_to_none=True)
-            with LiveTensorTracker() as tracker:
+            with LiveTensorTracker() as tracker, OpTrace() as trace:
                 step_rank(sched, ids, n_stages, x, y)
         params = [p for m in modules for p in m.parameters()]
         weights = sum(p.numel() * p.element_size() for p in params)
-        return RankPeak(tracker.peak_bytes, tracker.peak_bytes_excluding([p.grad for p in params]), weights)
+        activations = tracker.peak_bytes_excluding([p.grad for p in params])
+        return RankPeak(tracker.peak_bytes, activations, weights, trace.work)
+
+
+def bubble(pipeline: PipelineLayout) -> float:
+    """The pipeline's idle share, over its busy time: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved
+    (Narayanan et al. 2021, §2.2), for stages of equal time; the step is the slowest rank's compute × (1 + bubble)."""
+    return (pipeline.ranks - 1) / (pipeline.virtual * pipeline.n_microbatches)
 
 
 def estimate_pipeline(config: Any, pipeline: PipelineLayout) -> list[RankEstimate]:
