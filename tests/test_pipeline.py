@@ -366,3 +366,20 @@ def test_the_ranks_together_run_the_flops_of_one_process() -> None:
     whole = flops(1, 0, "1f1b")
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         assert sum(flops(2, rank, schedule, virtual) for rank in range(2)) == whole, schedule
+
+
+def test_a_per_block_plan_names_the_whole_models_blocks_and_each_stage_takes_its_own() -> None:
+    """policy=per_block on 2 stages: blocks [full, full, none, none] of the whole model put `full` on the first stage's
+    two layers and `none` on the second's, so each rank's peak is that uniform policy's on the rank; a plan the length
+    of a stage, not the model, is one line."""
+    from trainer.errors import PolicyError
+    from trainer.estimate.pipeline import estimate_rank
+
+    def peak(rank: int, policy: Any) -> int:
+        return estimate_rank(lambda: _model("llama"), rank, 2, "1f1b", MICRO, (B, T), policy).peak
+
+    plan = {"name": "per_block", "blocks": ["full", "full", "none", "none"]}
+    assert peak(0, plan) == peak(0, "full") and peak(1, plan) == peak(1, "none")
+    assert peak(0, "full") < peak(0, "none")  # the plan is not the same policy on both stages
+    with pytest.raises(PolicyError, match="policy.blocks has 2 entries but the model has 4 blocks"):
+        peak(0, {"name": "per_block", "blocks": ["full", "none"]})

@@ -132,7 +132,7 @@ def pipeline_parallel(config: Config) -> PipelineLayout | None:
     if t.compile or policy.caps.requires_compile or policy.caps.planned_first:
         raise ConfigError(
             f"{what} is estimated eager with a policy named for every block; drop trainer.compile and use none, full, "
-            "selective, op_sac, torchtitan_sac or a per-block plan (policy=per_block)"
+            "selective, op_sac, torchtitan_sac or a per-block plan of the whole model (policy=per_block)"
         )
     return layout(degree, t.pipeline_schedule, t.pipeline_virtual, config.accum, config.model.n_layer)
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.adapter import adapter_for
 from trainer.errors import ConfigError
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
@@ -44,6 +45,7 @@ from trainer.parallel.pipeline import (
     prune_to_stage,
     stage_layers,
     stage_loss,
+    stage_policy,
     step_rank,
 )
 
@@ -127,8 +129,10 @@ def estimate_rank(
     with fake_rank(rank, world), FakeTensorMode(), _works_hold_their_tensors():
         modules = []
         for s in ids:
-            model = prune_to_stage(build(), s, n_stages)
-            apply_policy(model, policy)
+            model = build()
+            n_layer, attention = len(adapter_for(model).layers), getattr(model.config, "attention", "sdpa")
+            layers = stage_layers(n_layer, n_stages, s)
+            apply_policy(prune_to_stage(model, s, n_stages), stage_policy(policy, n_layer, layers, attention))
             modules.append(PipelineStageModule(model))
         dtype, hidden = next(modules[0].parameters()).dtype, modules[0].model.config.n_embd
         stages = [pipeline_stage(m, s, n_stages, micro_batch, hidden, dtype) for m, s in zip(modules, ids, strict=True)]

@@ -6,7 +6,8 @@ layers (`stage_layers`), the first also the embeddings, the last also the final 
 embedding: its input is the residual stream; no final norm: its output is). A stage's module (`PipelineStageModule`)
 returns the hidden states; the loss head runs on the last stage as the schedule's `loss_fn` (`stage_loss`), so every
 loss head (standard, chunked, fused) works there. A policy installs on a stage through the decoder contract as on
-a whole model; its plan addresses the stage's own blocks.
+a whole model (`stage_policy`): a per-block plan addresses the model's global blocks, each stage taking its slice;
+any other policy plans the stage's own blocks.
 
 Near tools: torchtitan's `pipeline_llm` (deletes the layers of a meta-device model and sets its embedding and output
 to None, as here) and torch's `pipeline()` tracer (cuts one traced graph at split points); ours prunes this project's
@@ -116,6 +117,22 @@ def prune_to_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, None)
     return model
+
+
+def stage_policy(cfg: Any, n_layer: int, layers: range, attention: str) -> Any:
+    """The policy a stage holding global `layers` of `n_layer` installs. A per-block plan names the model's blocks
+    (policy.blocks, or policy.pattern repeated from block 0), so each stage takes its slice of it; every other policy
+    plans the stage's own blocks, as Megatron's recompute settings apply within each pipeline stage."""
+    from dataclasses import replace
+
+    from trainer.policies import build_policy
+
+    policy = build_policy(cfg)
+    if policy.name != "per_block":
+        return cfg
+    policy.check(n_layer, attention)  # one treatment per block of the whole model, or one line
+    treatments = policy.block_treatments(n_layer)[layers.start : layers.stop]
+    return type(policy)(replace(policy.cfg, blocks=treatments, pattern=[]))
 
 
 class PipelineStageModule(nn.Module):
