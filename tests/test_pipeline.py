@@ -383,3 +383,31 @@ def test_a_per_block_plan_names_the_whole_models_blocks_and_each_stage_takes_its
     assert peak(0, "full") < peak(0, "none")  # the plan is not the same policy on both stages
     with pytest.raises(PolicyError, match="policy.blocks has 2 entries but the model has 4 blocks"):
         peak(0, {"name": "per_block", "blocks": ["full", "none"]})
+
+
+def test_a_budget_finds_each_ranks_fewest_recomputed_layers(tmp_path: Path) -> None:
+    """--budget with stages: per rank, the fewest leading layers recomputed whole (the rest kept) whose total
+    (parameters, AdamW's two states, the step's peak) fits; the plan they make, estimated as the user would run it,
+    fits on every rank with those totals, and one layer fewer on a rank that recomputes any does not."""
+    from trainer.estimate.cli import main as estimate_main
+
+    budget = 24 * 2**20  # between CONFIGURED's `full` and `none` totals on both ranks
+
+    def totals(*args: str) -> dict[str, Any]:
+        out = tmp_path / "e.json"
+        assert estimate_main([*CONFIGURED, "--no-time", *args, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    fit = totals("--budget", f"{budget}")["fit"]
+    assert all(r["fits"] for r in fit["ranks"]) and fit["plan"] != ["none"] * 4
+    chosen = totals("policy=per_block", f"policy.blocks=[{','.join(fit['plan'])}]")
+    assert [r["total"] for r in chosen["per_rank"]] == [r["total"] for r in fit["ranks"]]
+    assert all(r["total"] <= budget for r in chosen["per_rank"])
+    for r in fit["ranks"]:  # minimal: a rank that recomputes any layer does not fit with one fewer
+        if r["recomputed"]:
+            fewer = list(fit["plan"])
+            fewer[2 * r["rank"] + r["recomputed"] - 1] = "none"  # 2 layers a rank
+            rank_total = totals("policy=per_block", f"policy.blocks=[{','.join(fewer)}]")["per_rank"][r["rank"]][
+                "total"
+            ]
+            assert rank_total > budget, r

@@ -19,7 +19,7 @@ from trainer.errors import UserError
 from trainer.estimate.advise import Advice, advise, where_the_peak_is
 from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
-from trainer.estimate.pipeline import bubble, estimate_pipeline
+from trainer.estimate.pipeline import bubble, estimate_pipeline, fit_ranks, rank_total
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
 from trainer.formatting import MIB, flops_text, markdown_table, mib
@@ -576,7 +576,7 @@ def render_compile_vs_eager(
     )
 
 
-def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
+def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int | None) -> int:
     """trainer.pipeline_parallel > 1: every rank's steady-state step on fake tensors (trainer.estimate.pipeline),
     printed as one table and, with --json, written; what the pipeline estimate does not cover is refused first."""
     flags = (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager))
@@ -600,8 +600,8 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
         f"{config.model.name}, policy={policy}: {pipeline.n_stages} pipeline stages on {pipeline.ranks} "
         f"ranks ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of {config.batch_size} × "
         f"{config.seq_len} tokens), each rank's steady-state step on fake tensors: activations are the micro-batches "
-        "in flight; the step's peak adds the stages' gradients and P2P buffers; parameters are held throughout (no "
-        "optimizer state, no precision plugin: a bare step, fp32)."
+        "in flight; the step's peak adds the stages' gradients and P2P buffers; the total adds the parameters and "
+        "AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
     )
     rows = [
         [
@@ -610,20 +610,33 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
             mib(r.figures.parameters),
             mib(r.figures.activations),
             mib(r.figures.peak),
+            mib(rank_total(r.figures)),
         ]
         + ([] if ms is None else [f"{ms:,.1f}"])
         for r, ms in zip(ranks, compute, strict=True)
     ]
-    columns = ["rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB"]
+    columns = ["rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB", "total MiB"]
     if step_ms is not None:
         columns.append("compute ms")
-    table = markdown_table(columns, rows, "llrrrr"[: len(columns)])
+    table = markdown_table(columns, rows, "llrrrrr"[: len(columns)])
     print(f"{head}\n\n{table}")
     if step_ms is not None and speed is not None:
         print(
             f"\nstep ≈ {step_ms:,.1f} ms on {speed.name}: the slowest rank's {slowest:,.1f} ms of compute (all its "
             f"micro-batches) plus the pipeline's bubble, {bubble(pipeline):.0%} of it ((p − 1)/(v·m), Narayanan et al. "
             "2021: stages of equal time; the P2P transfers are not costed)."
+        )
+    fit = None if budget is None else fit_ranks(config, pipeline, budget)
+    if fit is not None:
+        assert budget is not None
+        fits, plan = fit
+        each = "; ".join(
+            f"rank {f.rank}: {f.recomputed} of {f.layers}, {mib(f.total)} MiB" + ("" if f.fits else " (does not fit)")
+            for f in fits
+        )
+        print(
+            f"\nto fit {_size(budget)} a rank (its total), the fewest leading layers of each rank recomputed (full, "
+            f"the rest none): {each}. As one plan: policy=per_block 'policy.blocks=[{','.join(plan)}]'"
         )
     if args.json_path:
         doc = {
@@ -638,6 +651,11 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout) -> int:
             "bubble": bubble(pipeline),
             "step_ms": step_ms,
         }
+        for row, r in zip(doc["per_rank"], ranks, strict=True):
+            row["total"] = rank_total(r.figures)
+        if fit is not None:
+            doc["budget_bytes"] = budget
+            doc["fit"] = {"plan": fit[1], "ranks": [f._asdict() for f in fit[0]]}
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, doc)
@@ -674,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = compose_config(args.overrides)
         pipeline = resolve.pipeline_parallel(config)
         if pipeline is not None:
-            return _pipeline_main(args, config, pipeline)
+            return _pipeline_main(args, config, pipeline, budget)
         policy = build_policy(config.policy)
         device = estimate_device(config, args.device or ("cuda" if args.fit or args.gpu else None))
         speed = None if args.no_time else speed_for(device, args.gpu, args.catalogue)

@@ -157,6 +157,74 @@ def estimate_rank(
         return RankPeak(tracker.peak_bytes, activations, weights, trace.work)
 
 
+ADAMW_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each a tensor of its parameter's size and dtype
+
+
+def rank_total(figures: RankPeak) -> int:
+    """What a rank holds at its step's peak: its parameters, AdamW's two states of them, and the step's peak
+    (activations, gradients, P2P buffers). The optimizer step's own temporaries are not in it."""
+    return figures.parameters * (1 + ADAMW_STATES) + figures.peak
+
+
+class RankFit(NamedTuple):
+    """The fewest of a rank's layers (in order, its stages' one after another) recomputed whole so it fits a budget."""
+
+    rank: int
+    recomputed: int  # of the rank's layers, the first this many `full`, the rest `none`
+    layers: int  # the rank's layers
+    total: int  # rank_total at that plan
+    fits: bool  # False: even every layer recomputed does not fit (`recomputed` = `layers`)
+
+
+def fit_ranks(config: Any, pipeline: PipelineLayout, budget: int) -> tuple[list[RankFit], list[str]]:
+    """Per rank, the fewest leading layers recomputed (`full`, the rest `none`, as Megatron's `block` recompute method
+    chooses them per stage) whose rank_total fits `budget`, found by bisection (the total falls as layers are
+    recomputed), each candidate estimated as `estimate_pipeline` estimates a rank; and the whole model's per-block
+    plan that puts every rank's choice together (policy=per_block policy.blocks=[...])."""
+    n_layer = config.model.n_layer
+    plan = ["none"] * n_layer
+    fits = []
+    for rank in range(pipeline.ranks):
+        own = [i for s in pipeline.stages_of(rank) for i in stage_layers(n_layer, pipeline.n_stages, s)]
+
+        def total(k: int, own: list[int] = own, rank: int = rank) -> int:
+            blocks = ["full" if i in own[:k] else "none" for i in range(n_layer)]
+            cfg = {"name": "per_block", "blocks": blocks}
+            return rank_total(_estimate_one(config, pipeline, rank, cfg))
+
+        low, high = 0, len(own)  # the answer lies in [low, high] once `high` fits
+        totals = {high: total(high)}
+        if totals[high] > budget:
+            fits.append(RankFit(rank, high, len(own), totals[high], False))
+        else:
+            while low < high:
+                mid = (low + high) // 2
+                totals[mid] = total(mid)
+                low, high = (low, mid) if totals[mid] <= budget else (mid + 1, high)
+            fits.append(RankFit(rank, high, len(own), totals[high], True))
+        for i in own[: fits[-1].recomputed]:
+            plan[i] = "full"
+    return fits, plan
+
+
+def _estimate_one(config: Any, pipeline: PipelineLayout, rank: int, policy: Any) -> RankPeak:
+    from models import build_model
+    from trainer.core.schema import model_vocab
+
+    vocab = model_vocab(config)
+    return estimate_rank(
+        lambda: build_model(config.model, vocab),
+        rank,
+        pipeline.ranks,
+        pipeline.schedule,
+        pipeline.n_microbatches,
+        (config.batch_size, config.seq_len),
+        policy,
+        config.loss,
+        pipeline.virtual,
+    )
+
+
 def bubble(pipeline: PipelineLayout) -> float:
     """The pipeline's idle share, over its busy time: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved
     (Narayanan et al. 2021, §2.2), for stages of equal time; the step is the slowest rank's compute × (1 + bubble)."""
@@ -167,24 +235,10 @@ def estimate_pipeline(config: Any, pipeline: PipelineLayout) -> list[RankEstimat
     """Every rank of `config`'s pipeline (trainer.core.resolve.pipeline_parallel settles `pipeline`), each estimated as
     `estimate_rank` estimates it: the configured model, policy and loss head, `accum` micro-batches of batch_size ×
     seq_len a step. fp32 only (the stages' bare step runs no precision plugin)."""
-    from models import build_model
-    from trainer.core.schema import model_vocab
-
-    vocab = model_vocab(config)
     ranks = []
     for rank in range(pipeline.ranks):
         ids = pipeline.stages_of(rank)
-        figures = estimate_rank(
-            lambda: build_model(config.model, vocab),
-            rank,
-            pipeline.ranks,
-            pipeline.schedule,
-            pipeline.n_microbatches,
-            (config.batch_size, config.seq_len),
-            config.policy,
-            config.loss,
-            pipeline.virtual,
-        )
+        figures = _estimate_one(config, pipeline, rank, config.policy)
         layers = [stage_layers(config.model.n_layer, pipeline.n_stages, s) for s in ids]
         ranks.append(RankEstimate(rank, ids, layers, figures))
     return ranks
