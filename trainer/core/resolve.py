@@ -22,7 +22,7 @@ import torch
 from trainer import precision as precision_
 from trainer.core.schema import Config, model_vocab
 from trainer.errors import ConfigError
-from trainer.parallel.pipeline import PipelineLayout, layout
+from trainer.parallel.pipeline import SCHEDULES, PipelineLayout, layout
 from trainer.policies import build_policy, needs_attention_seam, no_seam_refusal
 
 
@@ -115,6 +115,8 @@ def pipeline_parallel(config: Config) -> PipelineLayout | None:
     if t.pipeline_parallel == 1:
         if t.pipeline_virtual > 1:
             raise ConfigError(f"trainer.pipeline_virtual={t.pipeline_virtual} needs trainer.pipeline_parallel > 1")
+        if t.pipeline_schedule not in SCHEDULES:
+            raise ConfigError(f"trainer.pipeline_schedule={t.pipeline_schedule}: choose one of {', '.join(SCHEDULES)}")
         return None
     degree = t.pipeline_parallel
     what = f"trainer.pipeline_parallel={degree}"
@@ -124,15 +126,17 @@ def pipeline_parallel(config: Config) -> PipelineLayout | None:
         raise ConfigError(
             f"{what}: tied embeddings put one weight on the first and the last stage; set model.tie_embeddings=false"
         )
-    if t.strategy == "fsdp2" or t.tensor_parallel > 1:
-        raise ConfigError(f"{what} with FSDP2 or tensor parallelism is not estimated yet; use trainer=ddp")
+    if t.strategy not in ("auto", "ddp") or t.tensor_parallel > 1:
+        raise ConfigError(
+            f"{what} with trainer.strategy={t.strategy} or tensor parallelism is not estimated yet; use trainer=ddp"
+        )
     if t.devices != degree or t.num_nodes != 1:
-        raise ConfigError(f"{what} runs one stage's rank per device: set trainer.devices={degree}")
+        raise ConfigError(f"{what} runs one stage's rank per device: set trainer.devices={degree} trainer.num_nodes=1")
     policy = build_policy(config.policy)
     if t.compile or policy.caps.requires_compile or policy.caps.planned_first:
         raise ConfigError(
-            f"{what} is estimated eager with a policy named for every block; drop trainer.compile and use none, full, "
-            "selective, op_sac, torchtitan_sac or a per-block plan of the whole model (policy=per_block)"
+            f"{what} is estimated eager, with a policy the eager step runs (not auto or memory_budget; a per-block "
+            "plan names the whole model's blocks): drop trainer.compile and choose another policy"
         )
     return layout(degree, t.pipeline_schedule, t.pipeline_virtual, config.accum, config.model.n_layer)
 
@@ -183,11 +187,13 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     device = device or train_device(config)
     chosen, why = settle_precision(config, device, estimate=estimate)
     world, tp = sharded_world(config), tensor_parallel(config)
-    if pipeline_parallel(config) is not None and not estimate:
+    # before the estimator's own refusals: following them would not make a run of stages possible
+    if config.trainer.pipeline_parallel > 1 and not estimate:
         raise ConfigError(
             f"trainer.pipeline_parallel={config.trainer.pipeline_parallel} is estimated per rank, not yet trained: "
             "python -m trainer.estimate with the same overrides prints each rank's peaks"
         )
+    pipeline_parallel(config)
     policy = build_policy(config.policy)
     if policy.caps.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank
         split = "trainer.tensor_parallel" if tp > 1 else "trainer=fsdp2"

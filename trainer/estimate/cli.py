@@ -580,7 +580,8 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int
     """trainer.pipeline_parallel > 1: every rank's steady-state step on fake tensors (trainer.estimate.pipeline),
     printed as one table and, with --json, written; what the pipeline estimate does not cover is refused first."""
     flags = (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager))
-    for flag, given in (*flags, ("--gpu", args.gpu)):
+    others = (("--gpu", args.gpu), ("--alloc-conf", args.alloc_conf), ("--autocast-cache", args.autocast_cache))
+    for flag, given in (*flags, *others):  # --policies: stages are estimated under the configured policy only
         if given:
             raise UserError(f"{flag} does not take pipeline stages yet; drop it (or trainer.pipeline_parallel)")
     device = estimate_device(config, args.device)
@@ -600,8 +601,8 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int
         f"{config.model.name}, policy={policy}: {pipeline.n_stages} pipeline stages on {pipeline.ranks} "
         f"ranks ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of {config.batch_size} × "
         f"{config.seq_len} tokens), each rank's steady-state step on fake tensors: activations are the micro-batches "
-        "in flight; the step's peak adds the stages' gradients and P2P buffers; the total adds the parameters and "
-        "AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
+        "in flight (P2P buffers included); the step's peak adds the stages' gradients; the total adds the parameters "
+        "and AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
     )
     rows = [
         [
@@ -657,8 +658,13 @@ def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int
             doc["budget_bytes"] = budget
             doc["fit"] = {"plan": fit[1], "ranks": [f._asdict() for f in fit[0]]}
         path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, doc)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, doc)
+        except OSError as e:
+            why = e.strerror or e
+            print(f"error: --json {path}: cannot write it ({why}); the estimate is printed above", file=sys.stderr)
+            return 2
     return 0
 
 

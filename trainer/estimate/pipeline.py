@@ -227,7 +227,8 @@ def _estimate_one(config: Any, pipeline: PipelineLayout, rank: int, policy: Any)
 
 def bubble(pipeline: PipelineLayout) -> float:
     """The pipeline's idle share, over its busy time: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved
-    (Narayanan et al. 2021, §2.2), for stages of equal time; the step is the slowest rank's compute × (1 + bubble)."""
+    (Narayanan et al. 2021, §2.2), for stages of equal time; the step is the slowest rank's compute × (1 + bubble).
+    Interleaved over fewer micro-batches than ranks (torch runs it) idles more than this says."""
     return (pipeline.ranks - 1) / (pipeline.virtual * pipeline.n_microbatches)
 
 

@@ -69,7 +69,11 @@ def layout(ranks: int, schedule: str, virtual: int, n_microbatches: int, n_layer
             "trainer.pipeline_schedule=interleaved_1f1b runs; set trainer.pipeline_virtual=1 or change the schedule"
         )
     found = PipelineLayout(ranks, schedule, virtual, n_microbatches)
-    stage_layers(n_layer, found.n_stages, 0)  # the stages split the layers evenly, or one line
+    if n_layer % found.n_stages:
+        raise ConfigError(
+            f"trainer.pipeline_parallel={ranks} × trainer.pipeline_virtual={virtual} stages cannot split "
+            f"model.n_layer={n_layer} evenly; choose a number of stages that divides {n_layer}"
+        )
     if schedule == "1f1b" and n_microbatches < found.n_stages:  # torch's Schedule1F1B refuses it
         raise ConfigError(
             f"trainer.pipeline_schedule=1f1b over {found.n_stages} stages needs at least {found.n_stages} "
