@@ -188,6 +188,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                 same = all(torch.equal(grads[n], g) for n, g in ref.items())
                 report["policies"][f"{family} sp=False {cfg['name']}"] = same
         Path(out, f"{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -293,6 +294,7 @@ def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
             finally:
                 session.close()
         Path(out, f"{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -414,6 +416,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
             "fused": [str(p) for p in m.transformer.h[0].attn.c_attn.weight.placements],
         }
         Path(out, f"{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -458,6 +461,7 @@ def _settle_worker(rank: int, world: int, store: str, out: str) -> None:
                 del small, big  # as FSDP2 drops the buffers after the collective: both freed here, not later
                 late[name] += len(freed) < len(refs)
         Path(out, f"{rank}.json").write_text(json.dumps(late))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 

@@ -91,6 +91,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                         "reference_losses": ref_losses,
                     }
         Path(out, f"{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -251,6 +252,7 @@ def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
         build = functools.partial(build_model, config.model, vocab)
         report["configured"] = _measured_peak(build, rank, world, "1f1b", 1, config.policy, config.loss, x, y)
         Path(out, f"{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
