@@ -87,3 +87,8 @@ def add_page_arguments(ap: argparse.ArgumentParser, page: Path, blocks: str) -> 
         default=page,
         help=f"the docs page that --write-docs rewrites (default: {page.relative_to(CONF.parent)}; --readme: the same)",
     )
+
+
+def budget_size(n: int) -> str:
+    """A budget as the user likely wrote it: GB (10⁹) from 1 GB up, MiB below."""
+    return f"{n / 1e9:,.4g} GB" if n >= 10**9 else f"{n / MIB:,.1f} MiB"

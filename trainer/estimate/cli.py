@@ -19,15 +19,14 @@ from trainer.errors import UserError
 from trainer.estimate.advise import Advice, advise, where_the_peak_is
 from trainer.estimate.config_plan import planner_plan
 from trainer.estimate.fit import FitTable, fit_table
-from trainer.estimate.pipeline import bubble, estimate_pipeline, fit_ranks, rank_total
+from trainer.estimate.pipeline_report import pipeline_main
 from trainer.estimate.session import Estimate, Session, estimate_device, group_labels, measure, open_session
 from trainer.estimate.tables import estimate_tables, quiet_policy_notices
-from trainer.formatting import MIB, flops_text, markdown_table, mib
+from trainer.formatting import MIB, budget_size, flops_text, markdown_table, mib
 from trainer.measure.gpus import DEFAULT_RESERVE, Gpu, Reserve, find_gpu, load_catalogue, parse_size
 from trainer.measure.memory.caching_allocator import AllocatorConf
 from trainer.measure.time.calibration import REFERENCE_GPU, speed_for
 from trainer.measure.time.roofline import Speed, StepTime, gpu_speed
-from trainer.parallel.pipeline import PipelineLayout
 from trainer.policies import POLICIES, Plan, build_policy
 
 MAX_WORLD = 1024  # each world size tried is a fake process group of that many ranks
@@ -40,11 +39,6 @@ def parse_bytes(text: str) -> int:
 
 def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / MIB:,.1f}"
-
-
-def _size(n: int) -> str:
-    """A budget as the user likely wrote it: GB (10⁹) from 1 GB up, MiB below."""
-    return f"{n / 1e9:,.4g} GB" if n >= 10**9 else f"{n / MIB:,.1f} MiB"
 
 
 def _binary(n: int) -> str:
@@ -116,7 +110,7 @@ def render(
         ok = est.fits(budget)
         fitting = [n for n, e in table.items() if isinstance(e, Estimate) and e.fits(budget)]
         lines.append(
-            f"policy={est.policy} {'fits' if ok else 'does not fit'} in {_size(budget)} "
+            f"policy={est.policy} {'fits' if ok else 'does not fit'} in {budget_size(budget)} "
             f"({budget / 2**30:,.2f} GiB): it needs {est.peak_bytes / 2**30:,.2f} GiB ({_mib(est.peak_bytes)} MiB)"
             + ("" if ok else f"; policies that fit: {', '.join(fitting) or 'none'}")
         )
@@ -213,7 +207,7 @@ def _policy_table(
             )
             + ((_mib(e.host_pinned_bytes),) if pinned else ())
         )
-    fits_head = f"fits {_size(budget)}?" if budget is not None else "fits? (no --budget)"
+    fits_head = f"fits {budget_size(budget)}?" if budget is not None else "fits? (no --budget)"
     header = (
         "policy",
         "plan",
@@ -264,11 +258,11 @@ def render_advice(est: Estimate, advice: list[Advice], budget: int, overrides: S
         )
         for a in advice
     ]
-    header = ("change", "peak per device MiB", "FLOPs × configured", f"fits {_size(budget)}?", "command")
+    header = ("change", "peak per device MiB", "FLOPs × configured", f"fits {budget_size(budget)}?", "command")
     fitting = sum(a.fits for a in advice)
     return "\n".join(
         [
-            f"advice for policy={est.policy}, loss={est.loss} at {_size(budget)}: {where_the_peak_is(est)}",
+            f"advice for policy={est.policy}, loss={est.loss} at {budget_size(budget)}: {where_the_peak_is(est)}",
             f"{fitting} of {len(advice)} changes fit:" if fitting else f"none of {len(advice)} changes fits alone:",
             "",
             markdown_table(header, rows, "lrrll"),
@@ -576,98 +570,6 @@ def render_compile_vs_eager(
     )
 
 
-def _pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int | None) -> int:
-    """trainer.pipeline_parallel > 1: every rank's steady-state step on fake tensors (trainer.estimate.pipeline),
-    printed as one table and, with --json, written; what the pipeline estimate does not cover is refused first."""
-    flags = (("--fit", args.fit), ("--advise", args.advise), ("--compile-vs-eager", args.compile_vs_eager))
-    others = (("--gpu", args.gpu), ("--alloc-conf", args.alloc_conf), ("--autocast-cache", args.autocast_cache))
-    for flag, given in (*flags, *others):  # --policies: stages are estimated under the configured policy only
-        if given:
-            raise UserError(f"{flag} does not take pipeline stages yet; drop it (or trainer.pipeline_parallel)")
-    device = estimate_device(config, args.device)
-    if device != "cpu":
-        raise UserError(f"trainer.pipeline_parallel is estimated for the CPU only yet; add --device cpu (not {device})")
-    chosen, _ = resolve.settle_precision(config, device, estimate=True)
-    if chosen != "32-true":
-        raise UserError(f"trainer.pipeline_parallel is estimated in fp32 only yet, not {chosen}: add precision=32-true")
-    ranks = estimate_pipeline(config, pipeline)
-    speed = None if args.no_time else speed_for(device, None, args.catalogue)
-    compute = [speed.predict(r.figures.work).ms if speed and r.figures.work else None for r in ranks]
-    slowest = max((ms for ms in compute if ms is not None), default=None)
-    step_ms = None if slowest is None else slowest * (1 + bubble(pipeline))
-    per = f"{pipeline.virtual} stages a rank, " if pipeline.virtual > 1 else ""
-    policy = build_policy(config.policy).name
-    head = (
-        f"{config.model.name}, policy={policy}: {pipeline.n_stages} pipeline stages on {pipeline.ranks} "
-        f"ranks ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of {config.batch_size} × "
-        f"{config.seq_len} tokens), each rank's steady-state step on fake tensors: activations are the micro-batches "
-        "in flight (P2P buffers included); the step's peak adds the stages' gradients; the total adds the parameters "
-        "and AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
-    )
-    rows = [
-        [
-            str(r.rank),
-            ", ".join(f"{s} ({lay.start}-{lay.stop - 1})" for s, lay in zip(r.stages, r.layers, strict=True)),
-            mib(r.figures.parameters),
-            mib(r.figures.activations),
-            mib(r.figures.peak),
-            mib(rank_total(r.figures)),
-        ]
-        + ([] if ms is None else [f"{ms:,.1f}"])
-        for r, ms in zip(ranks, compute, strict=True)
-    ]
-    columns = ["rank", "stages (layers)", "parameters MiB", "activations MiB", "step peak MiB", "total MiB"]
-    if step_ms is not None:
-        columns.append("compute ms")
-    table = markdown_table(columns, rows, "llrrrrr"[: len(columns)])
-    print(f"{head}\n\n{table}")
-    if step_ms is not None and speed is not None:
-        print(
-            f"\nstep ≈ {step_ms:,.1f} ms on {speed.name}: the slowest rank's {slowest:,.1f} ms of compute (all its "
-            f"micro-batches) plus the pipeline's bubble, {bubble(pipeline):.0%} of it ((p − 1)/(v·m), Narayanan et al. "
-            "2021: stages of equal time; the P2P transfers are not costed)."
-        )
-    fit = None if budget is None else fit_ranks(config, pipeline, budget)
-    if fit is not None:
-        assert budget is not None
-        fits, plan = fit
-        each = "; ".join(
-            f"rank {f.rank}: {f.recomputed} of {f.layers}, {mib(f.total)} MiB" + ("" if f.fits else " (does not fit)")
-            for f in fits
-        )
-        print(
-            f"\nto fit {_size(budget)} a rank (its total), the fewest leading layers of each rank recomputed (full, "
-            f"the rest none): {each}. As one plan: policy=per_block 'policy.blocks=[{','.join(plan)}]'"
-        )
-    if args.json_path:
-        doc = {
-            "pipeline": {"ranks": pipeline.ranks, "schedule": pipeline.schedule, "virtual": pipeline.virtual}
-            | {"n_microbatches": pipeline.n_microbatches, "micro_batch": [config.batch_size, config.seq_len]},
-            "per_rank": [
-                {"rank": r.rank, "stages": r.stages, "layers": [[lay.start, lay.stop] for lay in r.layers]}
-                | {"peak": r.figures.peak, "activations": r.figures.activations, "parameters": r.figures.parameters}
-                | {"compute_ms": ms}
-                for r, ms in zip(ranks, compute, strict=True)
-            ],
-            "bubble": bubble(pipeline),
-            "step_ms": step_ms,
-        }
-        for row, r in zip(doc["per_rank"], ranks, strict=True):
-            row["total"] = rank_total(r.figures)
-        if fit is not None:
-            doc["budget_bytes"] = budget
-            doc["fit"] = {"plan": fit[1], "ranks": [f._asdict() for f in fit[0]]}
-        path = Path(args.json_path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, doc)
-        except OSError as e:
-            why = e.strerror or e
-            print(f"error: --json {path}: cannot write it ({why}); the estimate is printed above", file=sys.stderr)
-            return 2
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
@@ -698,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = compose_config(args.overrides)
         pipeline = resolve.pipeline_parallel(config)
         if pipeline is not None:
-            return _pipeline_main(args, config, pipeline, budget)
+            return pipeline_main(args, config, pipeline, budget)
         policy = build_policy(config.policy)
         device = estimate_device(config, args.device or ("cuda" if args.fit or args.gpu else None))
         speed = None if args.no_time else speed_for(device, args.gpu, args.catalogue)
