@@ -15,13 +15,16 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+from trainer.interpreter import lean_imports  # the standard library only: first, so it covers the rest
 
-from trainer.core.rundir import discard_run_dir, write_json_atomic
-from trainer.core.schema import describe_user_error, register_configs, validate
-from trainer.errors import RunFailed
-from trainer.measure import metrics
+with lean_imports():
+    import hydra
+    from omegaconf import DictConfig
+
+    from trainer.core.rundir import discard_run_dir, write_json_atomic
+    from trainer.core.schema import describe_user_error, register_configs, validate
+    from trainer.errors import RunFailed
+    from trainer.measure import metrics
 
 register_configs()
 
@@ -40,7 +43,8 @@ def main(cfg: DictConfig) -> float | None:
         # Lightning and datasets load.
         config = validate(cfg)
         build_policy(config.policy)
-        from trainer.core.run import train
+        with lean_imports():  # Lightning, datasets and the measuring library
+            from trainer.core.run import train
 
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
         with _sweep_gpus(hydra_cfg, config) as gpus:

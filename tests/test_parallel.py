@@ -16,6 +16,7 @@ from tests.conftest import CLI_ENV, SMALL, run_cli
 from trainer.core import build
 from trainer.core.schema import compose_config
 from trainer.errors import ConfigError
+from trainer.interpreter import lean_exit
 
 # (family, sequence parallel, tied head, attention, loss parallel): the layouts the single-process comparison covers
 LAYOUTS = [
@@ -124,6 +125,7 @@ def _dropout_masks(model: torch.nn.Module, mesh: Any, sequence_parallel: bool, x
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
+    lean_exit()  # a spawned rank: its exit skips the last full collection
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -251,6 +253,7 @@ GPT_BYTES_POLICIES: list[dict[str, Any]] = [
 def _bytes_worker(rank: int, world: int, store: str, out: str) -> None:
     """Each policy on one rank of TP 2 (SP on), stepped as a run steps it and estimated by the run's own path (the
     estimator inside the run's process group, on fake groups): the activation and whole-step peaks, both ways."""
+    lean_exit()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -387,6 +390,7 @@ def test_gpt_on_fsdp2_by_tensor_parallel_keeps_its_ranks_equal_and_each_as_predi
 
 
 def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
+    lean_exit()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -436,6 +440,7 @@ def test_a_fused_projection_under_fsdp2_by_tensor_parallel_keeps_its_layout(tmp_
 
 
 def _settle_worker(rank: int, world: int, store: str, out: str) -> None:
+    lean_exit()
     import weakref
 
     import torch.distributed as dist

@@ -1,5 +1,8 @@
 import sys
 
-from trainer.check.compare import main
+from trainer.interpreter import lean_imports
+
+with lean_imports():
+    from trainer.check.compare import main
 
 sys.exit(main())

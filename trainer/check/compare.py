@@ -37,6 +37,7 @@ from trainer import precision as precision_
 from trainer.core import step as step_
 from trainer.core.schema import ConfigError, OneLineParser
 from trainer.formatting import markdown_table
+from trainer.interpreter import lean_exit
 
 
 @dataclass
@@ -267,6 +268,7 @@ def _split_rank(
     steps: int,
     tolerance: float,
 ) -> None:
+    lean_exit()
     import pickle
     from pathlib import Path
 

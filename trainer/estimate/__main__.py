@@ -1,5 +1,8 @@
 import sys
 
-from trainer.estimate.cli import main
+from trainer.interpreter import lean_imports
+
+with lean_imports():
+    from trainer.estimate.cli import main
 
 sys.exit(main())

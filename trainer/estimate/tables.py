@@ -100,7 +100,10 @@ def estimate_tables(
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        pool = ProcessPoolExecutor(len(shares) - 1, mp_context=multiprocessing.get_context("spawn"))
+        from trainer.interpreter import lean_exit
+
+        spawn = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(len(shares) - 1, mp_context=spawn, initializer=lean_exit)
         futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
     done: dict[Task, Estimate | str] = {}
     try:

@@ -1,5 +1,8 @@
 import sys
 
-from trainer.export.cli import main
+from trainer.interpreter import lean_imports
+
+with lean_imports():
+    from trainer.export.cli import main
 
 sys.exit(main())

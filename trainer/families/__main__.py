@@ -1,5 +1,8 @@
 import sys
 
-from trainer.families.sweep import main
+from trainer.interpreter import lean_imports
+
+with lean_imports():
+    from trainer.families.sweep import main
 
 sys.exit(main())

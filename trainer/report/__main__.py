@@ -1,5 +1,8 @@
 import sys
 
-from trainer.report.sweep import main
+from trainer.interpreter import lean_imports
+
+with lean_imports():
+    from trainer.report.sweep import main
 
 sys.exit(main())
