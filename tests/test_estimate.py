@@ -10,6 +10,7 @@ two agree to the byte on CPU; the assertion holds them within ESTIMATE_TOLERANCE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -459,6 +460,35 @@ def test_every_policy_in_the_table_ranks_as_theory_says(compose_cfg: Callable[..
     assert act["offload"] == act["none"]  # CPU: nothing to move
     assert est["full"].flops > est["op_sac"].flops > est["selective"].flops > est["none"].flops
     assert est["none"].kept_per_layer == [est["none"].kept_per_layer[0]] * 4
+
+
+def test_a_worker_process_makes_the_same_tables_as_this_one(compose_cfg: Callable[..., Any]) -> None:
+    """The tables split over a spawned worker (start-up charged nothing, so it starts even for this small model)
+    are this process's, figure for figure; without that push a model this small stays in one process. The ops'
+    work is the same op for op; only the optimizer's scalars in their signatures differ (AdamW's bias corrections
+    follow how many steps the session has taken, and each process's session took others)."""
+    from collections import Counter
+
+    from trainer.estimate.tables import estimate_tables
+
+    def work(e: Estimate) -> Counter[tuple[str, str, int, int]]:
+        ops: Counter[tuple[str, str, int, int]] = Counter()
+        for k, n in e.work.ops.items():
+            ops[(k.kind, k.dtype, k.flops, k.nbytes)] += n
+        return ops
+
+    config = validate(compose_cfg("precision=32-true"))
+    one = estimate_tables(config, "cpu", workers=1)
+    two = estimate_tables(config, "cpu", workers=2, startup_s=0.0)
+    for a, b in zip(one, two, strict=True):
+        assert list(a) == list(b)
+        for name in a:
+            if isinstance(a[name], str):
+                assert a[name] == b[name], name
+                continue
+            ea, eb = dataclasses.asdict(a[name]), dataclasses.asdict(b[name])
+            assert {k: v for k, v in ea.items() if k != "work"} == {k: v for k, v in eb.items() if k != "work"}, name
+            assert work(a[name]) == work(b[name]), name
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from typing import Any
@@ -59,6 +60,7 @@ def estimate_tables(
     policies: bool = True,
     first: Callable[[], Estimate] | None = None,
     only: Collection[str] | None = None,
+    startup_s: float | None = None,
 ) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
     """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
     policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
@@ -67,7 +69,9 @@ def estimate_tables(
     A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
     offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
     other processes, each with a session of its own: the fake run is Python-bound, so on 2 cores the tables of a 7B
-    model take about half the time."""
+    model take about half the time. A worker is started only once one step has been timed here and the steps left
+    are worth its start-up (`startup_s`, by default this process's CPU time so far: a worker repeats its imports
+    and its session), so a small model's tables stay in this process, where a worker would cost more than it saves."""
     session = session or open_session(config, device, autocast_cache)
     configured = build_policy(config.policy).cfg.name
     table: dict[str, Estimate | str] = {}
@@ -93,25 +97,39 @@ def estimate_tables(
                 heads[name] = known
         else:
             tasks.append((configured, name))
-    shares = _split(tasks, workers, session, config, plans, first is not None) if workers > 1 else [tasks]
+    startup_s = time.process_time() if startup_s is None else startup_s
+    done: dict[Task, Estimate | str] = {}
     pool = None
     futures = []
-    if len(shares) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        from trainer.interpreter import lean_exit
-
-        spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(len(shares) - 1, mp_context=spawn, initializer=lean_exit)
-        futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
-    done: dict[Task, Estimate | str] = {}
     try:
+        step_s = None
+        t0 = time.perf_counter()
         if first is not None:
             known = first()
             table[known.policy] = known
             if losses:
                 heads[known.loss] = known
+            step_s = time.perf_counter() - t0
+        elif workers > 1 and len(tasks) > 2:  # one step timed here before deciding
+            one = _run_tasks(config, session.device, plans, autocast_cache, tasks[:1], session, known)
+            step_s, tasks = time.perf_counter() - t0, tasks[1:]
+            done |= one
+            if known is None and isinstance(measured := one[next(iter(one))], Estimate):
+                known = measured  # the rest may run the same step
+        shares = [tasks]
+        if workers > 1 and step_s is not None and len(tasks) > 2:
+            groups = _groups(tasks, session, config, plans)
+            if len(groups) * step_s * (workers - 1) / workers > startup_s:
+                shares = _split(groups, workers)
+        if len(shares) > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            from trainer.interpreter import lean_exit
+
+            spawn = multiprocessing.get_context("spawn")
+            pool = ProcessPoolExecutor(len(shares) - 1, mp_context=spawn, initializer=lean_exit)
+            futures = [pool.submit(_run_tasks, config, session.device, plans, autocast_cache, t) for t in shares[1:]]
         done |= _run_tasks(config, session.device, plans, autocast_cache, shares[0], session, known)
         for f in futures:
             done |= f.result()
@@ -168,14 +186,8 @@ def _run_tasks(
     return out
 
 
-def _split(
-    tasks: list[Task], workers: int, session: Session, config: Config, plans: dict[str, Plan] | None, first: bool
-) -> list[list[Task]]:
-    """Tasks into `workers` shares of about equal work: tasks that run the same step (one is measured, the others
-    take its figures) stay together, this process also makes the configured estimate (`first`), and a worker spends
-    about a step's time starting up."""
-    if len(tasks) <= 2:
-        return [tasks]
+def _groups(tasks: list[Task], session: Session, config: Config, plans: dict[str, Plan] | None) -> list[list[Task]]:
+    """`tasks` grouped by the step they run: one of a group is measured, the others take its figures."""
     fake_cpu = not session.offloads
     configured = build_policy(config.policy)
     groups: dict[Any, list[Task]] = {}
@@ -190,13 +202,19 @@ def _split(
         except PolicyError:
             key = (name, loss)  # refused: no step, nearly free
         groups.setdefault(key, []).append((name, loss))
+    return list(groups.values())
+
+
+def _split(groups: list[list[Task]], workers: int) -> list[list[Task]]:
+    """Groups into `workers` shares of about equal work; this process's share is one step lighter, a worker
+    spending about that starting up."""
     shares: list[list[Task]] = [[] for _ in range(workers)]
-    load = [1.0 if first else 0.0] + [1.0] * (workers - 1)
-    for group in groups.values():
+    load = [0.0] + [1.0] * (workers - 1)
+    for group in groups:
         i = min(range(workers), key=lambda k: load[k])
         shares[i] += group
         load[i] += 1.0
-    return [s for s in shares if s] if shares[0] else [tasks]
+    return [s for s in shares if s]
 
 
 def _same_run(plan: str, on_cpu: bool) -> str:
