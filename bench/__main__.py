@@ -5,9 +5,8 @@
     python -m bench planner --help          # a table's own options
 
 Each table is a module of bench/ with a `main(argv)`; this registry is the one list of them (the docs name a table by
-its key here), so a table is measured by one module and written to one page. The compatibility sweep of
-Hugging Face families is a tool, not a benchmark: `python -m trainer.families`; so are the TensorBoard pictures of
-docs/tensorboard.md: `python -m trainer.report.tensorboard`.
+its key here). The compatibility sweep of Hugging Face families is a tool, not a benchmark: `python -m
+trainer.families`; so are docs/tensorboard.md's pictures: `python -m trainer.report.tensorboard`.
 """
 
 from __future__ import annotations
@@ -24,16 +23,15 @@ class Table(NamedTuple):
     what: str
 
 
+P = "docs/benchmarks.md"
 TABLES = {
     "policies": Table(
         "bench.policies",
-        "docs/benchmarks.md",
+        P,
         "every policy and loss head: step time, memory and FLOPs, measured beside the estimate; each plan",
     ),
-    "planner": Table("bench.planner", "docs/benchmarks.md", "policy=auto across budgets beside the uniform policies"),
-    "compiled": Table(
-        "bench.compiled", "docs/benchmarks.md", "compiled against eager per policy; the budget partitioner"
-    ),
+    "planner": Table("bench.planner", P, "policy=auto across budgets beside the uniform policies"),
+    "compiled": Table("bench.compiled", P, "compiled against eager per policy; the budget partitioner"),
     "step-time": Table("bench.step_time_table", "docs/step-time.md", "predicted step per policy on catalogue GPUs"),
     "published": Table("bench.published", "README.md", "the published GPU record beside the estimate"),
     "data": Table(
@@ -57,13 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(listing())
         return 0
-    name, rest = args[0], args[1:]
-    if name not in TABLES:
+    if args[0] not in TABLES:
         print(
-            f"error: no table {name!r}; choose one of {', '.join(TABLES)} (python -m bench lists them)", file=sys.stderr
+            f"error: no table {args[0]!r}; choose one of {', '.join(TABLES)} (python -m bench lists them)",
+            file=sys.stderr,
         )
         return 2
-    return int(importlib.import_module(TABLES[name].module).main(rest) or 0)
+    return int(importlib.import_module(TABLES[args[0]].module).main(args[1:]) or 0)
 
 
 if __name__ == "__main__":

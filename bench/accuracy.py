@@ -1,17 +1,14 @@
-"""How close the two step-time sources came to the measured steps, as the sentences docs/benchmarks.md prints.
-
-bench.policies and bench.planner each measure the uniform policies and predict them twice: the profile (the
-planner's measured source) and the roofline (the estimator's fake-tensor step costed by
-`trainer.measure.time.roofline`).
-`sources_text` says within how many percent of the measured median each source came, and on which side; `rankings`
-whether each source orders the policies as measured, and where it does not, whether the measured times of the
-swapped pair lie within their noise (median ± half the IQR). The benches put the paragraph between their markers.
-"""
+"""How close the two step-time sources (the planner's profile and the estimator's roofline) came to the measured
+steps of the uniform policies, and whether each ranks them as measured: the sentences bench.policies and
+bench.planner put in docs/benchmarks.md's "how close" paragraphs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from bench.common import environment_text, joined
 
 WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 SOURCES = (("profile", "the profile's prediction"), ("roofline", "the roofline"))
@@ -39,12 +36,6 @@ class Point:
         return f"{self.ms:,.0f} ms ±{100 * self.spread:.0f} %"
 
 
-def joined(items: Sequence[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    items = list(items)
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}" if items else ""
-
-
 def _pct(x: float) -> str:
     return f"{100 * abs(x):.1f}"
 
@@ -56,15 +47,9 @@ def _span(errors: Sequence[float]) -> str:
 
 def _side(errors: Sequence[float]) -> str:
     low, n = sum(e < 0 for e in errors), len(errors)
-    if low == n:
-        return "low in every row"
-    if low == 0:
-        return "high in every row"
-    if low == n - 1:
-        return "low in all but one row"
-    if low == 1:
-        return "high in all but one row"
-    return f"low in {low} of {n} rows"
+    # the first that applies wins: a later key of the literal replaces an earlier equal one
+    words = {1: "high in all but one row", n - 1: "low in all but one row", 0: "high in every row"}
+    return (words | {n: "low in every row"}).get(low, f"low in {low} of {n} rows")
 
 
 def _models(points: Sequence[Point]) -> list[str]:
@@ -148,3 +133,13 @@ def rankings_text(points: Sequence[Point]) -> str:
         return ""
     text = "; ".join(parts)
     return text[0].upper() + text[1:]
+
+
+def paragraph(
+    command: str, env: dict[str, Any], points: Sequence[Point], limits: dict[str, float] | None = None
+) -> str:
+    """The paragraph's opening: where the figures come from, how close each source came and how each ranks."""
+    ranks = rankings_text(points)
+    return f"From `{command}` ({environment_text(env)}): {sources_text(points, limits)}." + (
+        f" {ranks}." if ranks else ""
+    )

@@ -6,24 +6,13 @@ the estimator then prefers (and says so).
     python -m bench.calibrate --device cpu --write /tmp/cpu.yaml model=micro        # the same code on a CPU
     python -m trainer.estimate model=llama3-8b --gpu H100-80GB                      # now priced by the measurement
 
-Measured: each of the model layer's GEMMs (its projections at batch × seq tokens, in the precision's dtype), the
-fused attention kernel forward and backward at its heads, head size and sequence (causal: the FLOPs its kernel
-runs), a streaming copy (HBM bandwidth) and the cost of one small op launched. Each figure is the median of its
-repetitions, after a warm-up; rates are FLOP/s and bytes/s, not shares of a peak, so the same block serves any
-device, a CPU included. `--write` keeps the entry's other lines and replaces a `measured:` block already there.
-
-Not measured here (said in the output): the caching allocator's reserved peak against our replay, which a CUDA run
-of train.py logs beside its prediction (`peak_reserved_mib`, `predicted_peak_reserved_mib`), and the collectives'
-bandwidth, which needs more than one GPU.
-
-Near tools: `torch.utils.benchmark.Timer` times one statement; trainer/measure/time/calibration.py calibrates a CPU
-for its own predictions (rate curves by op size, cached). This one measures at a model's shapes and writes the
-figures where a catalogue GPU's predictions read them.
+Measured (each the median of its repetitions, after a warm-up; as rates, not shares of a peak, so any device,
+a CPU included): the layer's GEMMs, the fused attention kernel forward and backward, a streaming copy and one small
+op's launch. Not measured: the caching allocator against our replay and the collectives (the report says so).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import math
 import statistics
@@ -36,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench._readme import error_status
+from bench.common import BenchError, command, cpu_name, parser, sync
 from trainer.core.schema import compose_config
 from trainer.formatting import markdown_table
 from trainer.measure.gpus import find_gpu, load_catalogue, match_device
@@ -48,18 +37,14 @@ START = "measured:"
 
 
 def _median_s(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 2) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for _ in range(warmup):
         fn()
-    sync()
+    sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        sync()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -72,12 +57,7 @@ def layer_gemms(config: Any) -> list[tuple[str, int, int, int, int]]:
     if m.family == "llama":
         kv = (m.n_kv_head or m.n_head) * (d // m.n_head)
         hidden = m.mlp_hidden or 256 * math.ceil(int(8 * d / 3) / 256)
-        return [
-            ("q, o", 2, c, d, d),
-            ("k, v", 2, c, d, kv),
-            ("gate, up", 2, c, d, hidden),
-            ("down", 1, c, hidden, d),
-        ]
+        return [("q, o", 2, c, d, d), ("k, v", 2, c, d, kv), ("gate, up", 2, c, d, hidden), ("down", 1, c, hidden, d)]
     return [("qkv", 1, c, d, 3 * d), ("out", 1, c, d, d), ("fc", 1, c, d, 4 * d), ("proj", 1, c, 4 * d, d)]
 
 
@@ -123,11 +103,8 @@ def measure(config: Any, device: torch.device, reps: int) -> dict[str, Any]:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from trainer.measure.time.calibration import cpu_name
-
-    return f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
+    cpu = f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
 
 
 def block(figures: dict[str, Any], device: torch.device, overrides: list[str]) -> str:
@@ -191,11 +168,9 @@ def report(figures: dict[str, Any], device: torch.device, peak: dict[str, float]
     )
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
-    ap.add_argument(
-        "overrides", nargs="*", help=f"Hydra overrides for the shapes (default: {' '.join(DEFAULT_OVERRIDES)})"
-    )
+    ap = parser(COMMAND, __doc__, f" for the shapes (default: {' '.join(DEFAULT_OVERRIDES)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where one is visible, else cpu")
     ap.add_argument("--gpu", help="the catalogue entry this GPU is (for the shares of its datasheet in the report)")
     ap.add_argument("--write", metavar="YAML", help="put the figures into this catalogue yaml as its measured: block")
@@ -207,32 +182,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions of each figure (default 20)")
     args = ap.parse_args(argv)
-    try:
-        return _calibrate(args)
-    except Exception as e:
-        return error_status(e)
-
-
-def _calibrate(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible to this torch; use --device cpu")
+        raise BenchError("--device cuda: no CUDA device is visible to this torch; use --device cpu")
     if args.reps < 1:
-        raise ValueError(f"--reps {args.reps}: give at least 1")
+        raise BenchError(f"--reps {args.reps}: give at least 1")
     gpu = find_gpu(args.gpu) if args.gpu else None
     target, base = Path(args.write) if args.write else None, None
     if args.write_matched:
         if device.type != "cuda":
-            raise ValueError("--write-matched matches a CUDA device to its catalogue entry: run it on one")
+            raise BenchError("--write-matched matches a CUDA device to its catalogue entry: run it on one")
         props = torch.cuda.get_device_properties(device)
         gpu = gpu or match_device(props.name, props.total_memory)
         if gpu is None:
-            raise ValueError(f"{props.name} is not in the GPU catalogue: copy an entry, name it, give --write")
+            raise BenchError(f"{props.name} is not in the GPU catalogue: copy an entry, name it, give --write")
         # the shipped entry stays as published; a copy in the folder carries the measurement
         target, base = Path(args.write_matched) / Path(gpu.source).name, Path(gpu.source)
     if target is not None and base is None:
         if not target.is_file():
-            raise ValueError(f"--write {target}: not a catalogue entry; copy one from conf/gpu/ and name it there")
+            raise BenchError(f"--write {target}: not a catalogue entry; copy one from conf/gpu/ and name it there")
         load_catalogue([target])  # an entry that loads, before the measuring
     overrides = list(args.overrides) or list(DEFAULT_OVERRIDES)
     figures = measure(compose_config(overrides), device, args.reps)

@@ -4,63 +4,45 @@
     python -m bench.compiled --write-docs         # also rewrite docs/benchmarks.md's compiled-table and the README's
     python -m bench.compiled --models tiny --reps 5 --levels 0 seq_len=128    # without auto
 
-For each model, one configuration composed as train.py composes it (precision=32-true, model.dropout=0: the budget
-partitioner is refused with dropout on, and every row runs alike), and for every variant a module built from the same
-seed: each per-op or block policy eager and compiled (`trainer.compile=true`: the module compiles after its policy, as
-a run's setup does), and `policy=memory_budget` compiled at each `--budget`. Each is stepped twice (compilation, then
-a warm step: AdamW's state and last step's gradients exist), then metered over one step as a run meters it
-(`trainer.core.step.StepMeter`: the live-tensor tracker eager, the allocator's reports compiled; the whole-step peak
-is `peak_total_mib`), then timed: `--reps` rounds interleaved across variants (order rotated), median step ms and
-half the IQR. Ratios are compiled ÷ eager of the same policy, measured side by side here. Beside each, the
-estimator's figures for the same configuration: its peaks, its predicted step time and the error.
-
-Beside each budget the table names the fastest compiled uniform policy whose measured peak is at most that budget's.
-`auto` under compile (`--levels`, 0: left out): memory levels from the compiled `none` step's estimated peak down to
-below the most frugal uniform plan's (bench.planner's spacing); at each, `auto`'s compiled plan
-(`trainer.estimate.compiled_plans`: each block profiled as inductor compiles it, one profile for all levels, each plan
-checked compiled whole), each distinct plan a row compiled, metered and timed with the others, set beside the fastest
-`memory_budget` and the fastest compiled uniform plan whose measured peaks are within the level.
+Every variant is a module of its own from the same seed (precision=32-true, model.dropout=0: the budget partitioner is
+refused with dropout on): each policy eager and compiled, `memory_budget` compiled at each --budgets, and
+`policy=auto` compiled at --levels memory levels (`trainer.estimate.compiled_plans`: one compiled profile plans every
+level), each beside the estimator's figures; the header the table prints says how each is measured.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from bench._readme import (
+from bench.common import (
     BENCHMARKS_PAGE,
-    ROOT,
-    add_page_arguments,
+    README,
+    Block,
+    at_least,
+    command,
     environment,
     environment_text,
+    noisy,
+    parser,
     publish,
-    replace_block,
+    use_device,
 )
-from bench.harness import BenchError, budget_levels, random_batch, spread
-from trainer import precision as precision_
-from trainer.core import build
-from trainer.core import step as step_
-from trainer.core.schema import compose_config, describe_user_error
-from trainer.errors import UserError
-from trainer.formatting import MIB
+from bench.harness import Harness, budget_levels, spread
+from trainer.core.schema import compose_config
+from trainer.core.step import StepMeter
+from trainer.formatting import MIB, markdown_table
 from trainer.planner import PlanResult
 from trainer.policies import build_policy
 
-START, END = "<!-- compiled-table:start -->", "<!-- compiled-table:end -->"
-README_START, README_END = "<!-- compiled-summary:start -->", "<!-- compiled-summary:end -->"
-HEADING = "## Measured: compiled against eager, and torch's budget partitioner"
-README = ROOT / "README.md"
+TABLE = Block("compiled-table", "## Measured: compiled against eager, and torch's budget partitioner")
+SUMMARY = Block("compiled-summary", "## Compiled against eager", README)
 COMMAND = "python -m bench.compiled --write-docs"
 POLICIES = ("none", "selective", "op_sac", "torchtitan_sac", "full")
 BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
-LEVELS = 5
 
 
 @dataclass
@@ -68,8 +50,7 @@ class Row:
     label: str
     policy: Any  # a policy name or config mapping
     compiled: bool
-    module: Any = None
-    parts: tuple[Any, ...] = ()
+    h: Any = None  # its Harness
     activation: int = 0
     total: int = 0
     times: list[float] = field(default_factory=list)
@@ -82,23 +63,23 @@ class Row:
     def ms(self) -> float:
         return statistics.median(self.times) * 1e3
 
+    @property
+    def time_cell(self) -> str:
+        return noisy(self.ms, spread(self.times))
+
+
+def _config(compiled: bool, overrides: Sequence[str]) -> Any:
+    return compose_config([*overrides, f"trainer.compile={str(compiled).lower()}"])
+
 
 def _prepare(row: Row, overrides: Sequence[str]) -> None:
-    config = compose_config([*overrides, f"trainer.compile={str(row.compiled).lower()}"])
-    torch.manual_seed(config.seed)
-    module = build.module(config, row.policy).train()
-    module.configure_model()
-    opt, sched = step_.optimizers_of(module)
-    plugin = precision_.plugin("32-true", "cpu")
-    vocab = int(module.adapter.head.weight.shape[0])
-    x, y = random_batch(vocab, config.batch_size, config.seq_len, seed=0)
-    row.module, row.parts = module, ([(x, y)], opt, sched, plugin, config.trainer.grad_clip)
-    for _ in range(2):
-        _step(row)
-    meter = step_.StepMeter("cpu", compiled=row.compiled)
-    batches, opt, sched, plugin, clip = row.parts
-    step_.bare_step(module, batches, opt, sched, plugin, clip, meter=meter)
-    figures = meter.end(module)
+    """The variant's module built as a run's setup builds it (compiled after its policy), stepped twice (compilation,
+    then a warm step: AdamW's state and last step's gradients exist), then metered over one step as a run meters it."""
+    row.h = Harness(_config(row.compiled, overrides), "cpu", row.policy)
+    row.h.warm(2)
+    meter = StepMeter("cpu", compiled=row.compiled)
+    row.h.step(meter=meter)
+    figures = meter.end(row.h.module)
     row.activation, row.total = figures.activation_bytes, figures.total_bytes
 
 
@@ -110,7 +91,7 @@ def _estimate(rows: Sequence[Row], overrides: Sequence[str]) -> None:
 
     speed = cpu_speed()
     for compiled in (False, True):
-        session = open_session(compose_config([*overrides, f"trainer.compile={str(compiled).lower()}"]), "cpu")
+        session = open_session(_config(compiled, overrides), "cpu")
         try:
             for row in (r for r in rows if r.compiled == compiled):
                 est = measure(session, build_policy(row.policy))
@@ -120,18 +101,13 @@ def _estimate(rows: Sequence[Row], overrides: Sequence[str]) -> None:
             session.close()
 
 
-def _step(row: Row) -> None:
-    batches, opt, sched, plugin, clip = row.parts
-    step_.bare_step(row.module, batches, opt, sched, plugin, clip)
-
-
 def run(
     model: str,
-    overrides: Sequence[str],
+    overrides: list[str],
     reps: int,
-    budgets: Sequence[float],
+    budgets: list[float],
     policies: Sequence[str] = POLICIES,
-    levels: int = LEVELS,
+    levels: int = 5,
 ) -> dict[str, Any]:
     import torch._dynamo.config as dynamo_config
 
@@ -143,22 +119,16 @@ def run(
     plans: dict[float, Any] = {}
     # Every variant is a module of the same classes: past dynamo's recompile limit a frame would run eagerly.
     with dynamo_config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
-        try:
-            _estimate(rows, base)
-            if levels:
-                marks, plans, auto_rows = _auto_plans(rows, base, levels)  # est.: each plan's compiled whole
-                rows += auto_rows
-        except UserError as e:
-            raise BenchError(f"estimate: {describe_user_error(e)}") from None
+        _estimate(rows, base)
+        if levels:
+            marks, plans, auto_rows = _auto_plans(rows, base, levels)  # est.: each plan's compiled whole
+            rows += auto_rows
         for row in rows:
-            try:
-                _prepare(row, base)
-            except UserError as e:
-                raise BenchError(f"{row.label}: {describe_user_error(e)}") from None
+            _prepare(row, base)
         for r in range(reps):  # interleaved, the order rotated, so a slow spell spreads over all variants
             for row in rows[r % len(rows) :] + rows[: r % len(rows)]:
                 t = time.perf_counter()
-                _step(row)
+                row.h.step()
                 row.times.append(time.perf_counter() - t)
     config = compose_config(base)
     return {
@@ -184,61 +154,52 @@ def _auto_plans(
     from trainer.estimate import compiled_plans
 
     compiled_uniform = [r for r in rows if r.compiled and isinstance(r.policy, str)]
-    uniform = {r.policy for r in compiled_uniform}
     marks = budget_levels([r.est_total for r in compiled_uniform], levels)
     auto = [*base, "trainer.compile=true", "policy=auto", f"policy.budget_mib={marks[0]}"]
     plans = compiled_plans(compose_config(auto), marks)
     by_plan: dict[tuple[str, ...], Row] = {}
     for result in plans.values():
-        if not isinstance(result, PlanResult) or _uniform_row(result, uniform):
-            continue
-        if result.treatments not in by_plan:
+        if isinstance(result, PlanResult) and not _uniform_row(result, {r.policy for r in compiled_uniform}):
             policy = {"name": "per_block", "blocks": list(result.treatments)}
-            by_plan[result.treatments] = Row(f"auto {result.plan.describe()}", policy, True)
+            by_plan.setdefault(result.treatments, Row(f"auto {result.plan.describe()}", policy, True))
     return marks, plans, list(by_plan.values())
 
 
+def _pairs(out: dict[str, Any]) -> list[tuple[str, Row, Row]]:
+    """(policy, its eager row, its compiled row) per policy compared."""
+    rows = {r.label: r for r in out["rows"]}
+    return [(p, rows[f"{p} eager"], rows[f"{p} compiled"]) for p in out["policies"]]
+
+
 def table(out: dict[str, Any]) -> str:
-    rows: dict[str, Row] = {r.label: r for r in out["rows"]}
     lines = [
         "| policy | eager act. MiB | compiled act. MiB | ÷ | eager peak MiB | compiled peak MiB | ÷ "
         "| eager step ms | compiled step ms | ÷ |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for p in out["policies"]:
-        e, c = rows[f"{p} eager"], rows[f"{p} compiled"]
+    for p, e, c in _pairs(out):
         lines.append(
             f"| `{p}` | {e.activation / MIB:.2f} | {c.activation / MIB:.2f} | {c.activation / e.activation:.2f} "
             f"| {e.total / MIB:.2f} | {c.total / MIB:.2f} | {c.total / e.total:.2f} "
-            f"| {e.ms:,.0f} ±{100 * spread(e.times):.0f}% | {c.ms:,.0f} ±{100 * spread(c.times):.0f}% "
-            f"| {c.ms / e.ms:.2f} |"
+            f"| {e.time_cell} | {c.time_cell} | {c.ms / e.ms:.2f} |"
         )
     lines += ["", *_predicted(out)]
-    uniform = [rows[f"{p} compiled"] for p in out["policies"]]
+    uniform = [c for _, _, c in _pairs(out)]
     lines += [
         "",
         "| `memory_budget` (compiled) | act. MiB | peak MiB | step ms | fastest compiled uniform policy at most that "
         "peak | its peak MiB | its step ms | budget ÷ uniform |",
         "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
-    for r in out["rows"]:
-        if not r.label.startswith("memory_budget"):
-            continue
-        fits = [u for u in uniform if u.total <= r.total]
-        best = min(fits, key=lambda u: u.ms) if fits else None
-        them = (
-            f"`{best.label.split()[0]}` | {best.total / MIB:.2f} | {best.ms:,.0f} ±{100 * spread(best.times):.0f}% "
-            f"| {r.ms / best.ms:.2f}"
-            if best
-            else "none fits | — | — | —"
-        )
+    for r in (r for r in out["rows"] if r.label.startswith("memory_budget")):
+        best = min((u for u in uniform if u.total <= r.total), key=lambda u: u.ms, default=None)
+        them = "none fits | — | — | —"
+        if best:
+            them = f"`{best.label.split()[0]}` | {best.total / MIB:.2f} | {best.time_cell} | {r.ms / best.ms:.2f}"
         lines.append(
-            f"| {r.label.split()[1]} | {r.activation / MIB:.2f} | {r.total / MIB:.2f} "
-            f"| {r.ms:,.0f} ±{100 * spread(r.times):.0f}% | {them} |"
+            f"| {r.label.split()[1]} | {r.activation / MIB:.2f} | {r.total / MIB:.2f} | {r.time_cell} | {them} |"
         )
-    if out["levels"]:
-        lines += ["", *_levels(out)]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", *_levels(out)] if out["levels"] else []))
 
 
 def _uniform_row(result: PlanResult, uniform: set[str]) -> str | None:
@@ -250,8 +211,7 @@ def _uniform_row(result: PlanResult, uniform: set[str]) -> str | None:
 def _cell(row: Row | None) -> str:
     if row is None:
         return "none fits | — | —"
-    name = row.label.removesuffix(" compiled")
-    return f"`{name}` | {row.total / MIB:.1f} | {row.ms:,.0f} ±{100 * spread(row.times):.0f}%"
+    return f"`{row.label.removesuffix(' compiled')}` | {row.total / MIB:.1f} | {row.time_cell}"
 
 
 def _levels(out: dict[str, Any]) -> list[str]:
@@ -259,7 +219,7 @@ def _levels(out: dict[str, Any]) -> list[str]:
     plan whose measured peaks are within it, and a sentence on whether `auto` was ever the slower."""
     rows: dict[str, Row] = {r.label: r for r in out["rows"]}
     budget_rows = [r for r in out["rows"] if r.label.startswith("memory_budget")]
-    uniform_rows = [rows[f"{p} compiled"] for p in out["policies"]]
+    uniform_rows = [c for _, _, c in _pairs(out)]
     lines = [
         "| level MiB | `auto` plan (compiled) | est. MiB | measured MiB | step ms | fastest `memory_budget` within it "
         "| its MiB | its ms | auto ÷ it | fastest compiled uniform within it | its MiB | its ms |",
@@ -279,22 +239,22 @@ def _levels(out: dict[str, Any]) -> list[str]:
             compared += 1
             ratio = f"{a.ms / partitioner.ms:.2f}"
             if round(a.ms / partitioner.ms, 2) > 1:
-                inside = a.ms * (1 - spread(a.times)) <= partitioner.ms * (1 + spread(partitioner.times))
+                sa, sp = spread(a.times), spread(partitioner.times)
+                inside = "inside" if a.ms * (1 - sa) <= partitioner.ms * (1 + sp) else "outside"
                 verdicts.append(
-                    f"{level:g} MiB: {a.ms / partitioner.ms:.2f}×, {'inside' if inside else 'outside'} the two "
-                    f"variants' noise (±{100 * spread(a.times):.0f} %, ±{100 * spread(partitioner.times):.0f} %)"
+                    f"{level:g} MiB: {a.ms / partitioner.ms:.2f}×, {inside} the two variants' noise "
+                    f"(±{100 * sa:.0f} %, ±{100 * sp:.0f} %)"
                 )
         mark = "" if a.total <= level * MIB else " ⚠"
         lines.append(
             f"| {level:g} | `{result.plan.describe()}` | {result.solution.peak / MIB:.1f} | {a.total / MIB:.1f}{mark} "
-            f"| {a.ms:,.0f} ±{100 * spread(a.times):.0f}% | {_cell(partitioner)} | {ratio} | {_cell(uniform)} |"
+            f"| {a.time_cell} | {_cell(partitioner)} | {ratio} | {_cell(uniform)} |"
         )
+    close = f"At every level where both fit ({compared}), `auto` (compiled) was at most as slow as `memory_budget`."
     if verdicts:
         close = (
             f"`auto` (compiled) was slower than the fastest `memory_budget` within the level at: {'; '.join(verdicts)}."
         )
-    else:
-        close = f"At every level where both fit ({compared}), `auto` (compiled) was at most as slow as `memory_budget`."
     above = any(" ⚠ |" in line for line in lines)
     return [*lines, "", close + (" ⚠: measured above the level." if above else "")]
 
@@ -302,7 +262,6 @@ def _levels(out: dict[str, Any]) -> list[str]:
 def _predicted(out: dict[str, Any]) -> list[str]:
     """The estimator beside the measurement: each step's predicted time and its error, the compiled step's estimated
     whole-step peak and its error, compiled ÷ eager predicted and measured, and the rankings by time."""
-    rows: dict[str, Row] = {r.label: r for r in out["rows"]}
 
     def err(predicted: float, measured: float) -> str:
         return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "—"
@@ -312,45 +271,37 @@ def _predicted(out: dict[str, Any]) -> list[str]:
         "| measured | compiled peak MiB: estimated (error) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for p in out["policies"]:
-        e, c = rows[f"{p} eager"], rows[f"{p} compiled"]
+    for p, e, c in _pairs(out):
         lines.append(
             f"| `{p}` | {e.est_ms:,.0f} ({err(e.est_ms, e.ms)}) | {c.est_ms:,.0f} ({err(c.est_ms, c.ms)}) "
             f"| {c.est_ms / e.est_ms:.2f} | {c.ms / e.ms:.2f} | {c.est_total / MIB:.2f} ({err(c.est_total, c.total)}) |"
         )
-    for mode in ("eager", "compiled"):
-        ranked = [rows[f"{p} {mode}"] for p in out["policies"]]
-        by = {
-            k: " < ".join(f"`{r.label.split()[0]}`" for r in sorted(ranked, key=key))
-            for k, key in (("predicted", lambda r: r.est_ms), ("measured", lambda r: r.ms))
-        }
-        same = "the same order" if by["predicted"] == by["measured"] else "not the same order"
-        lines.append(
-            f"\n{mode.capitalize()}, fastest first: predicted {by['predicted']}; measured {by['measured']} ({same})."
+    for mode, ranked in (("eager", [e for _, e, _ in _pairs(out)]), ("compiled", [c for _, _, c in _pairs(out)])):
+        predicted, measured = (
+            " < ".join(f"`{r.label.split()[0]}`" for r in sorted(ranked, key=key))
+            for key in (lambda r: r.est_ms, lambda r: r.ms)
         )
+        same = "the same order" if predicted == measured else "not the same order"
+        lines.append(f"\n{mode.capitalize()}, fastest first: predicted {predicted}; measured {measured} ({same}).")
     return lines
 
 
 def summary(outs: Sequence[dict[str, Any]], command: str) -> str:
     """The README's block: compiled ÷ eager per policy and model (activation peak, whole-step peak, step time, all
     measured) and the compiled step's predicted time beside its measured one."""
-    lines = [
+    head = ("model", "policy", "activation peak", "whole-step peak", "step time", "compiled step: predicted ÷ measured")
+    rows = [
+        [f"`{o['model']}`", f"`{p}`"]
+        + [f"{x:.2f}" for x in (c.activation / e.activation, c.total / e.total, c.ms / e.ms, c.est_ms / c.ms)]
+        for o in outs
+        for p, e, c in _pairs(o)
+    ]
+    return (
         f"Generated by `{command}` ({environment_text(outs[0]['env'])}; the whole tables in "
         "[benchmarks](docs/benchmarks.md#measured-compiled-against-eager-and-torchs-budget-partitioner)). Compiled ÷ "
-        "eager, measured in one process; the compiled step's predicted time (`trainer.estimate`) against its measured:",
-        "",
-        "| model | policy | activation peak | whole-step peak | step time | compiled step: predicted ÷ measured |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for out in outs:
-        rows: dict[str, Row] = {r.label: r for r in out["rows"]}
-        for p in out["policies"]:
-            e, c = rows[f"{p} eager"], rows[f"{p} compiled"]
-            lines.append(
-                f"| `{out['model']}` | `{p}` | {c.activation / e.activation:.2f} | {c.total / e.total:.2f} "
-                f"| {c.ms / e.ms:.2f} | {c.est_ms / c.ms:.2f} |"
-            )
-    return "\n".join(lines)
+        "eager, measured in one process; the compiled step's predicted time (`trainer.estimate`) against its measured:"
+        "\n\n" + markdown_table(head, rows, "llrrrr")
+    )
 
 
 def header(outs: Sequence[dict[str, Any]], command: str) -> str:
@@ -368,40 +319,24 @@ def header(outs: Sequence[dict[str, Any]], command: str) -> str:
     )
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.compiled", description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (seq_len=128)")
+    ap = parser("python -m bench.compiled", __doc__, " (seq_len=128)", BENCHMARKS_PAGE, (TABLE, SUMMARY), threads=True)
     ap.add_argument("--models", default="tiny,llama-tiny", help="conf/model options, comma-separated")
-    ap.add_argument("--reps", type=int, default=7, help="timed steps per variant (median)")
+    ap.add_argument("--reps", type=at_least(1), default=7, help="timed steps per variant (median)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="the policies compared eager and compiled")
-    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS), help="memory_budget's budgets")
-    ap.add_argument("--levels", type=int, default=LEVELS, help="memory levels `auto` plans at (0: no auto rows)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared machine)")
-    add_page_arguments(ap, BENCHMARKS_PAGE, f"the block between {START} and {END}")
+    budgets = ",".join(f"{b:g}" for b in BUDGETS)
+    ap.add_argument("--budgets", default=budgets, help="memory_budget's budgets in [0, 1], comma-separated")
+    ap.add_argument("--levels", type=int, default=5, help="memory levels `auto` plans at (0: no auto rows, else ≥ 2)")
     args = ap.parse_intermixed_args(argv)
-    if args.reps < 1:
-        ap.error("--reps must be ≥ 1")
     if args.levels == 1 or args.levels < 0:
         ap.error("--levels must be 0 (no auto rows) or at least 2")
-    try:
-        budgets = [float(b) for b in args.budgets.split(",")]
-    except ValueError:
-        ap.error(f"--budgets {args.budgets!r}: give numbers in [0, 1], comma-separated")
-    torch.set_num_threads(args.threads)
+    use_device("cpu", args.threads)
     command = f"{COMMAND} {' '.join(args.overrides)}".rstrip()
-    outs = []
-    for model in args.models.split(","):
-        try:
-            outs.append(run(model, args.overrides, args.reps, budgets, args.policies.split(","), args.levels))
-        except BenchError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    budgets, policies = [float(b) for b in args.budgets.split(",")], args.policies.split(",")
+    outs = [run(m, args.overrides, args.reps, budgets, policies, args.levels) for m in args.models.split(",")]
     block = header(outs, command) + "\n\n" + "\n\n".join(f"**{o['shape']}**\n\n{table(o)}" for o in outs)
-    publish(args, block, START, END, HEADING)
-    if args.write_docs:
-        replace_block(README, README_START, README_END, summary(outs, command), "## Compiled against eager")
-        print(f"wrote {README}", file=sys.stderr)
-    return 0
+    return publish(block, args, {TABLE: block, SUMMARY: summary(outs, command)})
 
 
 if __name__ == "__main__":

@@ -1,21 +1,17 @@
 """Real text at scale: time to the first optimizer step and peak resident memory when the corpus streams, when it is
-prepared into token files, and when a nanoGPT-style reference prepares it (`datasets.map` over the files, then one
-memory-mapped token file the run reads as it is), side by side on one corpus the benchmark writes itself (many files
-of real English text); then the loader's steady tokens/s beside the training step's at the gpt2 shape.
+prepared into token files, and when a nanoGPT-style reference prepares it, on one corpus the benchmark writes itself
+(the pydoc topics, reshuffled per file); then the loader's steady tokens/s beside the training step's at gpt2's shape.
 
     python -m bench data --gib 1 10 --dir /a/disk/with/room --write-docs
     python -m bench data --gib 0.05                     # a quick look
 
-Each path runs `trainer.core.run.train` (model=tiny, one optimizer step) in a fresh interpreter with cold caches; its
-time counts from the interpreter's start to the end of the first optimizer step, its memory is the peak resident set
-of that process and of any it started (`getrusage`). The byte tokenizer is used for the first-step table (a BPE's
-training time would be the same on every path); the loader table adds a BPE trained on a sample. The corpus repeats
-the 79 pydoc topics, so the BPE's word cache hits more often than on a real crawl: its rate is an upper bound.
+Each path runs `trainer.core.run.train` (model=tiny, one optimizer step, the byte tokenizer) in a fresh interpreter
+with cold caches: its time counts from the interpreter's start, its memory is the peak resident set of it and its
+children (`getrusage`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -28,11 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench._readme import DOCS, add_page_arguments, environment, environment_text, publish
+from bench.common import DOCS, Block, environment, environment_text, estimator, parser, publish
 
-PAGE = DOCS / "data.md"
-START, END = "<!-- data-first-step:start -->", "<!-- data-first-step:end -->"
-LOADER_START, LOADER_END = "<!-- data-loader:start -->", "<!-- data-loader:end -->"
+FIRST_STEP = Block("data-first-step", "## Time to the first step")
+LOADER = Block("data-loader", "## Loader rate")
 PATHS = ("streamed", "prepared", "reference")
 FILE_BYTES = 64 << 20  # one corpus file (the last is shorter)
 MODEL = ["model=tiny", "trainer=smoke", "trainer.max_steps=1", "trainer.enable_progress_bar=false"]
@@ -133,11 +128,8 @@ def measure(path: str, corpus: Path, work: Path) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     spawned = time.time()
-    r = subprocess.run(
-        [sys.executable, "-m", "bench.data", "--child", path, str(corpus), str(work), repr(spawned)],
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, "-m", "bench.data", "--child", path, str(corpus), str(work), repr(spawned)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"error: the {path} path failed: {r.stderr.strip()[-800:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -168,17 +160,12 @@ def loader_rates(corpus: Path, work: Path, seconds: float = 10.0) -> list[tuple[
     config, _ = bench_config(["model=gpt2", "seq_len=1024", "batch_size=1"], "cpu")
     h = Harness(config, "cpu")  # the configured policy: none
     h.warm()
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        h.step()
-        times.append(time.perf_counter() - t0)
-    rates.append((f"gpt2 training step, this CPU ({config.precision})", h.tokens / min(times)))
+    step_s = min(h.timed() for _ in range(2))
+    rates.append((f"gpt2 training step, this CPU ({config.precision})", h.batch[0].numel() / step_s))
     out = work / "estimate.json"
-    args = ["model=gpt2", "seq_len=1024", "batch_size=8", "--device", "cuda", "--gpu", "H100-80GB", "--json", str(out)]
-    r = subprocess.run([sys.executable, "-m", "trainer.estimate", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"error: python -m trainer.estimate {' '.join(args)}: {r.stderr.strip()[-300:]}")
+    estimator(
+        ["model=gpt2", "seq_len=1024", "batch_size=8", "--device", "cuda", "--gpu", "H100-80GB", "--json", str(out)]
+    )
     predicted = json.loads(out.read_text())["estimate"]["predicted_step"]["tokens_per_s"]
     rates.append(("gpt2 training step, H100-80GB (the estimator's prediction, bf16)", predicted))
     return rates
@@ -190,13 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         path, corpus, work, spawned = args[1:5]
         print(json.dumps(child(path, Path(corpus), Path(work), float(spawned))))
         return 0
-    ap = argparse.ArgumentParser(prog="python -m bench data", description=__doc__.splitlines()[0])
+    ap = parser("python -m bench data", __doc__, page=DOCS / "data.md", blocks=(FIRST_STEP, LOADER))
     ap.add_argument("--gib", type=float, nargs="+", default=[1.0], help="corpus sizes in GiB (default 1)")
     ap.add_argument("--dir", type=Path, default=Path("bench-data"), help="where corpora and caches go")
     ap.add_argument("--no-loader", action="store_true", help="skip the loader-rate table")
-    add_page_arguments(ap, PAGE, "the data tables")
     opts = ap.parse_args(args)
-    env = environment("cpu", "auto")
+    head = f"From `python -m bench data --gib {' '.join(f'{g:g}' for g in opts.gib)}` "
+    head += f"({environment_text(environment('cpu', 'auto'))}):\n\n"
     rows = [
         "| corpus | path | first optimizer step | peak resident memory | vs reference (time, memory) |",
         "|---|---|---:|---:|---|",
@@ -205,21 +192,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         corpus = make_corpus(opts.dir, gib)
         got = {p: measure(p, corpus, opts.dir / "work") for p in PATHS}
         ref = got["reference"]
-        for p in PATHS:
-            g = got[p]
+        for p, g in got.items():
             vs = f"{g['first_step_s'] / ref['first_step_s']:.3f}×, {g['peak_rss_gib'] / ref['peak_rss_gib']:.2f}×"
             rows.append(f"| {gib:g} GiB | {p} | {g['first_step_s']:.1f} s | {g['peak_rss_gib']:.2f} GiB | {vs} |")
             print(rows[-1], flush=True)
-    head = f"From `python -m bench data --gib {' '.join(f'{g:g}' for g in opts.gib)}` ({environment_text(env)}):\n\n"
-    block = head + "\n".join(rows)
+    blocks = {FIRST_STEP: head + "\n".join(rows), LOADER: ""}
     if not opts.no_loader:
         rates = loader_rates(make_corpus(opts.dir, opts.gib[0]), opts.dir / "work")
         cpu, gpu = rates[-2][1], rates[-1][1]
         lines = ["| what | tokens/s | vs the gpt2 step here | vs on an H100 |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {rate:,.0f} | {rate / cpu:,.1f}× | {rate / gpu:.2f}× |" for name, rate in rates]
-        publish(opts, head + "\n".join(lines), LOADER_START, LOADER_END, "## Loader rate")
+        blocks[LOADER] = head + "\n".join(lines)
         shutil.rmtree(opts.dir / "work", ignore_errors=True)
-    return publish(opts, block, START, END, "## Time to the first step")
+    return publish("\n\n".join(b for b in blocks.values() if b), opts, blocks)
 
 
 if __name__ == "__main__":

@@ -1,97 +1,64 @@
-"""What every benchmark measures with: the composed config's DecoderModule stepped by `trainer.core.step.bare_step`.
+"""What every benchmark measures with: the run's DecoderModule, optimizer, precision plugin and StepMeter, stepped by
+`trainer.core.step.bare_step` (nothing here is a second definition of the step) on a fixed batch of random tokens.
 
-    config, env = bench_config(["model=tiny", "model.vocab_size=32768"], "cpu")
-    h = Harness(config, "cpu")          # the module (seeded as a run seeds it), its AdamW + schedule, the plugin
-    h.warm()                            # one step: AdamW state and last step's gradients exist, as in steady state
-    h.use(policy, loss)                 # switch the policy (apply_policy) and the loss head between steps
-    h.measure() -> Figures              # StepMeter (activation / whole-step / head peak) and count_flops
-    h.timed() -> seconds                # one step, wall time
-
-Nothing here is a second definition of the step: the module is `trainer.core.module.DecoderModule` built from the config
-train.py composes, its optimizer and scheduler come from `trainer.core.step.optimizers_of`, the forward context from
-`trainer.precision.plugin` (what Lightning's Trainer builds for the same precision string), the step
-is `trainer.core.step.bare_step` and the memory figures are `trainer.core.step.StepMeter`'s,
-the ones a run logs. Batches are random tokens (no data set is read), fixed per harness, kept on the host and moved
-to the device every step as a loader's batch is.
+    h = Harness(bench_config(["model=tiny"], "cpu")[0], "cpu")  # the module seeded as a run seeds it, AdamW, plugin
+    h.warm(); h.measure(variant) -> Figures; h.timed(variant) -> seconds   # StepMeter + count_flops; one timed step
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from bench._readme import environment
+from bench.common import BenchError, environment, sync
 from trainer import estimate
 from trainer.core import build
-from trainer.core.module import DecoderModule
-from trainer.core.schema import Config, compose_config
+from trainer.core.module import DecoderModule, param_groups
+from trainer.core.schema import Config, compose_config, describe_user_error
 from trainer.core.step import StepMeter, bare_step, optimizers_of
+from trainer.estimate.tables import quiet_policy_notices
 from trainer.formatting import MIB
 from trainer.loss import LossConfig
 from trainer.measure.time.flops import count_flops
-from trainer.planner import smallest_budget_mib
+from trainer.planner import default_optimizer, profile_model, smallest_budget_mib
 from trainer.policies import POLICIES, Policy, PolicyError, apply_policy, build_policy
 from trainer.precision import plugin
 
 
-class BenchError(ValueError):
-    """A request this machine or shape cannot run; the message is one line."""
-
-
 def bench_config(overrides: Sequence[str], device_type: str) -> tuple[Config, dict[str, Any]]:
-    """train.py's config from `overrides` (`trainer.core.schema.compose_config`), with `precision` settled for this
-    device as a run settles it (so the estimator and the measured step run the same precision), and the
-    environment line of the tables."""
-    config = compose_config(list(overrides))
+    """train.py's config from `overrides`, with `precision` settled for this device as a run settles it (so the
+    estimator and the measured step run the same precision), and the environment line of the tables. A config
+    error is a one-line BenchError naming the overrides."""
+    try:
+        config = compose_config(list(overrides))
+    except Exception as e:
+        line = describe_user_error(e)
+        if line is None:
+            raise
+        raise BenchError(f"{' '.join(overrides)}: {line}") from None
     env = environment(device_type, config.precision)
     config.precision = env["precision"]
     return config, env
 
 
-def build_module(config: Config) -> DecoderModule:
+def build_module(config: Config, policy: Any = "none") -> DecoderModule:
     """The run's LightningModule, initialised from `config.seed` as train.py initialises it (policy `none`: the
     benchmarks switch policies with `apply_policy`)."""
     torch.manual_seed(config.seed)
-    return build.module(config, "none", hf_config=build.hf_config(config))
-
-
-def model_shape(config: Config) -> tuple[int, str]:
-    """(layers, attention) of the configured model, through the decoder contract (any family; built on the meta
-    device, so nothing is allocated)."""
-    with torch.device("meta"):
-        adapter = build_module(config).adapter
-    return adapter.n_layer, adapter.attention
+    return build.module(config, policy, hf_config=build.hf_config(config))
 
 
 def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def quiet_policy_notices() -> Iterator[None]:
-    """The one-time notices (offload without CUDA, selective with sdpa) say what the table shows anyway."""
-    logger = logging.getLogger("trainer.policies")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass
@@ -103,40 +70,38 @@ class Variant:
     make_policy: Callable[[], Policy]
     loss: LossConfig
     micro_batch: int | None = None
-    _policy: Policy | None = field(default=None, repr=False)
 
-    @property
+    @functools.cached_property
     def policy(self) -> Policy:
-        if self._policy is None:
-            self._policy = self.make_policy()
-        return self._policy
+        return self.make_policy()
 
 
-PolicyFactories = dict[str, Callable[[], Policy]]
-
-
-def registered_policies(config: Config, only: Sequence[str] | None = None) -> tuple[PolicyFactories, dict[str, str]]:
-    """Every registered policy (`trainer.policies.POLICIES`, registration order) with its conf/policy/<name>.yaml
-    parameters (`trainer.estimate.default_policy`), or those named in `only`; a policy that cannot run from its
-    conf on this model maps to its one-line reason instead (`auto` needs a budget: bench/planner.py plans it)."""
-    n_layer, attention = model_shape(config)
-    names = list(POLICIES) if only is None else list(only)
-    unknown = [n for n in names if n not in POLICIES]
+def registered_policies(
+    config: Config, only: Sequence[str] | None = None, flag: str = ""
+) -> tuple[dict[str, Callable[[], Policy]], dict[str, str]]:
+    """Every registered policy (registration order) with its conf/policy/<name>.yaml parameters, or those named in
+    `only` (by `flag`: one that cannot run is refused); a policy that cannot run from its conf on this model maps to
+    its one-line reason instead."""
+    with torch.device("meta"):  # the model's shape through the decoder contract, nothing allocated
+        adapter = build_module(config).adapter
+    unknown = [n for n in only or () if n not in POLICIES]
     if unknown:
         raise BenchError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
-    runnable: PolicyFactories = {}
+    runnable: dict[str, Callable[[], Policy]] = {}
     skipped: dict[str, str] = {}
     with quiet_policy_notices():
-        for name in names:
+        for name in POLICIES if only is None else only:
             if POLICIES[name].caps.requires_compile and not config.trainer.compile:
                 skipped[name] = "needs trainer.compile=true (torch's compile-time partitioner: bench.compiled runs it)"
                 continue
             try:
-                estimate.default_policy(name).check(n_layer, attention)
+                estimate.default_policy(name).check(adapter.n_layer, adapter.attention)
             except PolicyError as e:
                 skipped[name] = str(e) + (" (bench.planner plans it across budgets)" if name == "auto" else "")
                 continue
             runnable[name] = lambda name=name: estimate.default_policy(name)
+    if flag and skipped:
+        raise BenchError(f"{flag} {next(iter(skipped))}: {next(iter(skipped.values()))}")
     return runnable, skipped
 
 
@@ -168,24 +133,23 @@ class Figures:
 
 
 class Harness:
-    """One configuration's module, optimizer, scheduler, precision plugin and fixed batch on one device."""
+    """One configuration's module, optimizer, scheduler, precision plugin and fixed batch on one device; built with
+    `policy` (a name or config), the module is set up as a run's setup does it (compiled after its policy)."""
 
-    def __init__(self, config: Config, device: str | torch.device) -> None:
+    def __init__(self, config: Config, device: str | torch.device, policy: Any = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.precision = config.precision
         if self.precision == "auto":
             raise BenchError("settle precision=auto first (bench_config)")
         self.plugin = plugin(self.precision, self.device.type)
-        module = self.plugin.convert_module(build_module(config))  # bf16-true: the weights in bf16, as Lightning
+        module = self.plugin.convert_module(build_module(config, policy or "none"))  # bf16-true: bf16 weights
         self.module = module.to(self.device).train()
+        if policy is not None:
+            self.module.configure_model()
         self.optimizer, self.scheduler = optimizers_of(self.module)
         self.vocab = int(self.module.adapter.head.weight.shape[0])
         self.batch = random_batch(self.vocab, config.batch_size * config.accum, config.seq_len, seed=0)
-
-    @property
-    def tokens(self) -> int:
-        return self.batch[0].numel()
 
     def describe(self) -> str:
         c, d = self.config, self.module.adapter.describe()
@@ -204,27 +168,17 @@ class Harness:
         x, y = self.batch
         if x.shape[0] % mb:
             raise BenchError(f"micro-batch {mb} does not divide the batch of {x.shape[0]} sequences")
-        return [
-            (x[i : i + mb].to(self.device, non_blocking=True), y[i : i + mb].to(self.device, non_blocking=True))
-            for i in range(0, x.shape[0], mb)
-        ]
+        to = {"device": self.device, "non_blocking": True}
+        return [(x[i : i + mb].to(**to), y[i : i + mb].to(**to)) for i in range(0, x.shape[0], mb)]
 
     def use(self, variant: Variant) -> None:
         apply_policy(self.module.model, variant.policy)
         self.module.loss_config = variant.loss
 
     def step(self, variant: Variant | None = None, meter: StepMeter | None = None) -> None:
-        mb = None if variant is None else variant.micro_batch
-        bare_step(
-            self.module,
-            self.batches(mb),
-            self.optimizer,
-            self.scheduler,
-            self.plugin,
-            grad_clip=self.config.trainer.grad_clip,
-            meter=meter,
-            layers=list(self.module.adapter.layers),
-        )
+        batches = self.batches(None if variant is None else variant.micro_batch)
+        clip, layers = self.config.trainer.grad_clip, list(self.module.adapter.layers)
+        bare_step(self.module, batches, self.optimizer, self.scheduler, self.plugin, clip, meter=meter, layers=layers)
 
     def warm(self, steps: int = 1) -> None:
         """Steps before anything is measured: AdamW's state and last step's gradients then exist, as they do from
@@ -237,51 +191,44 @@ class Harness:
         """Two untimed steps of `variant`: one under StepMeter (regions on, for the head's share), one counted."""
         self.use(variant)
         sync(self.device)
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         torch.manual_seed(1)  # the same dropout masks for every variant
         meter = StepMeter(self.device.type, regions=True)
         self.step(variant, meter)
         sync(self.device)
-        figures = meter.end(self.module)
-        cuda_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        f = meter.end(self.module)
+        cuda_peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
         torch.manual_seed(1)
         with UncountedOps() as uncounted:
             flops = count_flops(lambda: self.step(variant))
-        return Figures(
-            activation_bytes=figures.activation_bytes,
-            total_bytes=figures.total_bytes,
-            head_bytes=figures.head_peak,
-            flops=flops,
-            uncounted_ops=sorted(uncounted.names),
-            cuda_peak_allocated_bytes=cuda_peak,
-        )
+        return Figures(f.activation_bytes, f.total_bytes, f.head_peak, flops, sorted(uncounted.names), cuda_peak)
 
-    def profile(self, treatments: Sequence[str] = ("none", "selective", "op_sac", "full"), repeats: int = 5) -> Any:
-        """The planner's profile of this module on its first micro-batch, as policy=auto's callback takes it at fit
-        start (`trainer.planner.profile_model`, the configured loss head, the run's AdamW and clipping)."""
-        from trainer.core.module import param_groups
-        from trainer.planner import default_optimizer, profile_model
-
-        auto = build_policy(
-            {"name": "auto", "budget_mib": 1, "candidates": list(treatments), "profile_repeats": repeats}
-        )
+    def planner_args(self, loss_fns: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The planner verbs' arguments besides the model, a micro-batch and the policy, as the planning callback
+        passes them at fit start: the loss heads (default: the configured one), the run's AdamW and clipping."""
         wd = self.config.optim.weight_decay
-        with quiet_policy_notices():
-            return profile_model(
-                self.module.model,
-                self.batches()[0],
-                auto,
-                loss_fns={self.module.loss_config.name: self.module.loss_of},
-                precision=self.precision,
-                accum=self.config.accum,
-                make_optimizer=default_optimizer(wd),
-                param_groups=param_groups(self.module.model, wd),
-                grad_clip=self.config.trainer.grad_clip,
-            )
+        return {
+            "loss_fns": loss_fns or {self.module.loss_config.name: self.module.loss_of},
+            "precision": self.precision,
+            "accum": self.config.accum,
+            "make_optimizer": default_optimizer(wd),
+            "param_groups": param_groups(self.module.model, wd),
+            "grad_clip": self.config.trainer.grad_clip,
+        }
 
-    def timed(self, variant: Variant) -> float:
-        self.use(variant)
+    def profile(self, auto: Policy | None = None, loss_fns: dict[str, Any] | None = None) -> Any:
+        """`trainer.planner.profile_model` of this module on its first micro-batch, as policy=auto's callback takes it
+        at fit start (default: the uniform none, selective, op_sac and full, five repeats each)."""
+        treatments = ["none", "selective", "op_sac", "full"]
+        auto = auto or build_policy({"name": "auto", "budget_mib": 1, "candidates": treatments, "profile_repeats": 5})
+        with quiet_policy_notices():
+            return profile_model(self.module.model, self.batches()[0], auto, **self.planner_args(loss_fns))
+
+    def timed(self, variant: Variant | None = None) -> float:
+        if variant is not None:
+            self.use(variant)
         sync(self.device)
         t0 = time.perf_counter()
         self.step(variant)
@@ -305,11 +252,6 @@ class Harness:
             if between is not None and r >= warmup:
                 between()
         return times
-
-
-def estimator_session(config: Config, device: torch.device) -> estimate.Session:
-    """The estimator's fake-tensor session for the same config (open_session: module, optimizer, one step)."""
-    return estimate.open_session(config, device.type)
 
 
 def estimated(session: estimate.Session, variant: Variant) -> estimate.Estimate:

@@ -1,70 +1,74 @@
-"""bench.policies' report: the side-by-side table, the targets it checks, the header that says how it was measured,
-the paragraph on how close both step-time sources came (docs/benchmarks.md's bench-accuracy block), and every policy
-against `none` on the first model (the policy-table block: the same steps' plans, bytes and FLOPs)."""
+"""bench.policies' report, from the rows it measured: the header that says how they were measured, the side-by-side
+tables, the targets, the paragraph on how close both step-time sources came, and every policy against `none`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench._readme import environment_text
-from bench.accuracy import Point, joined, rankings_text, sources_text
+from bench.accuracy import Point, paragraph
+from bench.common import Block, environment_text, joined, noisy
 
-START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
-ACCURACY_START, ACCURACY_END = "<!-- bench-accuracy:start -->", "<!-- bench-accuracy:end -->"
-POLICY_TABLE_START, POLICY_TABLE_END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
+TABLE = Block("bench-table", "## Benchmark: step time, memory and FLOPs side by side")
+ACCURACY = Block("bench-accuracy", "## How close: step time predicted vs measured")
+POLICY_TABLE = Block("policy-table", "## Every policy against `none`")
 SOURCE_TARGETS = {"profile": 0.05, "roofline": 0.15}  # a step-time source's target: within this of measured
-
-TARGETS = {"full": 1.35, "selective": 1.10, "lightning": 1.02, "full_activation": 0.25}
-
-# ----------------------------------------------------------------------------------------------------
-# The report.
-# ----------------------------------------------------------------------------------------------------
+TARGETS = (  # (target, row, its figure, limit, format) per model: reported, never asserted
+    ("full step time ≤ 1.35× none", "full", "step_ratio", 1.35, ".2f"),
+    ("selective (eager attention) step time ≤ 1.10× none", "selective", "step_ratio", 1.10, ".2f"),
+    ("Lightning ≤ 1.02× bare loop", "lightning_vs_bare", "step_ratio", 1.02, ".3f"),
+    ("activation peak of full ≤ 1/4 of none", "full", "activation_ratio", 0.25, ".3f"),
+)
+UNIFORM = ("none", "selective", "op_sac", "full")
 
 
 def _f(v: Any, fmt: str) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
-def _flops_cell(r: dict[str, Any]) -> str:
-    return f"{r['flops_ratio']:.3f}" + (" †" if r["flops_uncounted"] else "")
+def _ratio(a: float | None, b: float) -> float | None:
+    return None if a is None else a / b
 
 
 def table(result: dict[str, Any]) -> str:
+    rows = {kind: [r for r in result["rows"] if r["kind"] == kind] for kind in ("policy", "head", "overhead")}
     lines: list[str] = []
-    policy_rows = [r for r in result["rows"] if r["kind"] == "policy"]
-    if policy_rows:
+
+    def flops(r: dict[str, Any]) -> str:
+        return (
+            f"{r['flops_ratio']:.3f}" + (" †" if r["flops_uncounted"] else "") + f" | {_f(r['est_flops_ratio'], '.3f')}"
+        )
+
+    def peaks(r: dict[str, Any]) -> str:
+        return f"{r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')}"
+
+    if rows["policy"]:
         lines += [
             "| model | policy | step ms | × none | tokens/s | activation MiB | est. | est./meas. | peak total MiB "
             "| est. | FLOPs × none | est. |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in policy_rows:
-            est_act = r["est_activation_mib"]
+        for r in rows["policy"]:
+            act, est = r["activation_mib"], r["est_activation_mib"]
             lines.append(
-                f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% "
-                f"| {r['step_ratio']:.2f} | {r['tokens_per_s']:,.0f} | {r['activation_mib']:.1f} "
-                f"| {_f(est_act, '.1f')} | {_f(None if est_act is None else est_act / r['activation_mib'], '.2f')} "
-                f"| {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} | {_flops_cell(r)} "
-                f"| {_f(r['est_flops_ratio'], '.3f')} |"
+                f"| {r['model']} | `{r['label']}` | {noisy(r['step_ms'], r['step_spread'], '.1f')} "
+                f"| {r['step_ratio']:.2f} | {r['tokens_per_s']:,.0f} | {act:.1f} | {_f(est, '.1f')} "
+                f"| {_f(_ratio(est, act), '.2f')} | {peaks(r)} | {flops(r)} |"
             )
-    head_rows = [r for r in result["rows"] if r["kind"] == "head"]
-    if head_rows:
-        if lines:
-            lines.append("")
+    if rows["head"]:
+        lines += [""] if lines else []
         lines += [
             "| model (vocab) | policy | loss head | step ms | × standard | activation MiB | est. | head MiB | est. "
             "| head share | peak total MiB | est. | FLOPs × standard | est. |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in head_rows:
+        for r in rows["head"]:
             lines.append(
-                f"| {r['model']} ({r['vocab']}) | `{r['policy']}` | `{r['label']}` | {r['step_ms']:.1f} "
-                f"±{100 * r['step_spread']:.0f}% | {r['step_ratio']:.2f} | {r['activation_mib']:.1f} "
+                f"| {r['model']} ({r['vocab']}) | `{r['policy']}` | `{r['label']}` "
+                f"| {noisy(r['step_ms'], r['step_spread'], '.1f')} | {r['step_ratio']:.2f} | {r['activation_mib']:.1f} "
                 f"| {_f(r['est_activation_mib'], '.1f')} | {r['head_mib']:.1f} | {_f(r['est_head_mib'], '.1f')} "
-                f"| {100 * r['head_share']:.0f}% | {r['peak_total_mib']:.1f} | {_f(r['est_peak_total_mib'], '.1f')} "
-                f"| {_flops_cell(r)} | {_f(r['est_flops_ratio'], '.3f')} |"
+                f"| {100 * r['head_share']:.0f}% | {peaks(r)} | {flops(r)} |"
             )
-    lines += _time_table(policy_rows)
+    lines += _time_table(rows["policy"])
     uncounted = sorted(
         {op for r in result["rows"] if r.get("flops_uncounted") for op in r["flops_uncounted"].split(",")}
     )
@@ -74,29 +78,22 @@ def table(result: dict[str, Any]) -> str:
             f"† FlopCounterMode has no formula for {', '.join(f'`{o}`' for o in uncounted)}: the FLOPs "
             "inside it are not counted (measured or estimated).",
         ]
-    overhead = [r for r in result["rows"] if r["kind"] == "overhead"]
-    if overhead:
+    if rows["overhead"]:
         lines += ["", "| model | loop (policy `none`) | step ms | × bare |", "|---|---|---:|---:|"]
-        for o in overhead:
-            lines += [
-                f"| {o['model']} | bare loop (`trainer.core.step.bare_step`) | {o['bare_step_ms']:.1f} "
-                f"±{100 * o['bare_spread']:.0f}% | 1.00 |",
-                f"| {o['model']} | Lightning `Trainer.fit` | {o['lightning_step_ms']:.1f} "
-                f"±{100 * o['lightning_spread']:.0f}% | {o['step_ratio']:.3f} |",
-            ]
+    for o in rows["overhead"]:
+        lines += [
+            f"| {o['model']} | bare loop (`trainer.core.step.bare_step`) | "
+            f"{noisy(o['bare_step_ms'], o['bare_spread'], '.1f')} | 1.00 |",
+            f"| {o['model']} | Lightning `Trainer.fit` | {noisy(o['lightning_step_ms'], o['lightning_spread'], '.1f')} "
+            f"| {o['step_ratio']:.3f} |",
+        ]
     return "\n".join(lines)
-
-
-def _ratio(a: float | None, b: float) -> float | None:
-    return None if a is None else a / b
 
 
 def _time_table(rows: list[dict[str, Any]]) -> list[str]:
     """Step time predicted beside measured: the planner's profile (the measured source) and the estimator's roofline
     (the predicted source, fake tensors), each ÷ the measured median."""
     rows = [r for r in rows if r.get("pred_roofline_ms") is not None or r.get("pred_profile_ms") is not None]
-    if not rows:
-        return []
     out = [
         "",
         "| model | policy | measured step ms | predicted: profile | ÷ measured | predicted: roofline | ÷ measured "
@@ -104,16 +101,25 @@ def _time_table(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        prof, roof = r.get("pred_profile_ms"), r.get("pred_roofline_ms")
+        prof, roof, ms = r.get("pred_profile_ms"), r.get("pred_roofline_ms"), r["step_ms"]
         out.append(
-            f"| {r['model']} | `{r['label']}` | {r['step_ms']:.1f} ±{100 * r['step_spread']:.0f}% | {_f(prof, ',.1f')} "
-            f"| {_f(_ratio(prof, r['step_ms']), '.3f')} | {_f(roof, ',.1f')} | {_f(_ratio(roof, r['step_ms']), '.3f')} "
+            f"| {r['model']} | `{r['label']}` | {noisy(ms, r['step_spread'], '.1f')} | {_f(prof, ',.1f')} "
+            f"| {_f(_ratio(prof, ms), '.3f')} | {_f(roof, ',.1f')} | {_f(_ratio(roof, ms), '.3f')} "
             f"| {r['step_ratio']:.2f} | {r['flops_ratio']:.3f} |"
         )
-    return out
+    return out if rows else []
 
 
-UNIFORM = ("none", "selective", "op_sac", "full")
+def _target(model: str, what: str, value: float | None, limit: float, fmt: str, note: str = "") -> dict[str, Any]:
+    return {
+        "model": model,
+        "target": what,
+        "value": value,
+        "limit": limit,
+        "met": None if value is None or note else value <= limit,  # a note: the target does not apply
+        "shown": "n/a" if value is None else format(value, fmt),
+        "note": note,
+    }
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,73 +128,23 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         by = {r["name"]: r for r in result["rows"] if r["section"] == i and r["kind"] in ("policy", "overhead")}
         if "none" not in by:
             continue  # a section of loss heads only
+        model = section["model"]
 
-        def add(what: str, key: str, row: str, limit: float, fmt: str, note: str = "", **kw: Any) -> None:
-            value = kw["by"][row][key] if row in kw["by"] else None
-            out.append(
-                {
-                    "model": kw["model"],
-                    "target": what,
-                    "value": value,
-                    "limit": limit,
-                    "met": None if value is None or note else value <= limit,  # a note: the target does not apply
-                    "shown": "n/a" if value is None else format(value, fmt),
-                    "note": note,
-                }
-            )
-
-        where = {"by": by, "model": section["model"]}
-        add("full step time ≤ 1.35× none", "step_ratio", "full", TARGETS["full"], ".2f", **where)
         sel = by.get("selective")
         sdpa = sel is not None and "selective" not in sel["plan"]  # its plan says what it amounts to here
-        note = "not this run: sdpa attention, where selective stores like none" if sdpa else ""
-        add(
-            "selective (eager attention) step time ≤ 1.10× none",
-            "step_ratio",
-            "selective",
-            TARGETS["selective"],
-            ".2f",
-            note,
-            **where,
-        )
-        add("Lightning ≤ 1.02× bare loop", "step_ratio", "lightning_vs_bare", TARGETS["lightning"], ".3f", **where)
-        add(
-            "activation peak of full ≤ 1/4 of none",
-            "activation_ratio",
-            "full",
-            TARGETS["full_activation"],
-            ".3f",
-            **where,
-        )
-        for name in UNIFORM:
-            r = by.get(name)
-            if r is None:
-                continue
-            r = {**r, "profile_error": _error(r, "pred_profile_ms"), "roofline_error": _error(r, "pred_roofline_ms")}
-            one = {"by": {name: r}, "model": section["model"]}
-            add(
-                f"{name}: profile-predicted step time within 5 % of measured", "profile_error", name, 0.05, ".1%", **one
+        for what, name, key, limit, fmt in TARGETS:
+            note = (
+                "not this run: sdpa attention, where selective stores like none" if name == "selective" and sdpa else ""
             )
-            add(
-                f"{name}: roofline-predicted step time within 15 % of measured",
-                "roofline_error",
-                name,
-                0.15,
-                ".1%",
-                **one,
-            )
-        full = by.get("full")
-        if full is not None:
-            gap = {"full": {**full, "gap": abs(full["step_ratio"] - full["flops_ratio"]) / full["flops_ratio"]}}
-            add(
-                "full: time × none within 3 % of its FLOPs × none",
-                "gap",
-                "full",
-                0.03,
-                ".1%",
-                by=gap,
-                model=section["model"],
-            )
+            out.append(_target(model, what, by[name][key] if name in by else None, limit, fmt, note))
+        for name in (n for n in UNIFORM if n in by):
+            for source, limit in SOURCE_TARGETS.items():
+                what = f"{name}: {source}-predicted step time within {100 * limit:g} % of measured"
+                out.append(_target(model, what, _error(by[name], f"pred_{source}_ms"), limit, ".1%"))
+        if "full" in by:
+            full = by["full"]
+            gap = abs(full["step_ratio"] - full["flops_ratio"]) / full["flops_ratio"]
+            out.append(_target(model, "full: time × none within 3 % of its FLOPs × none", gap, 0.03, ".1%"))
     return out
 
 
@@ -201,9 +157,8 @@ def targets_text(items: list[dict[str, Any]]) -> str:
     lines = ["Targets (reported, not asserted):", ""]
     for t in items:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
-        lines.append(
-            f"- {t['model']}: {t['target']}: {t['shown']} — {verdict}" + (f" ({t['note']})" if t["note"] else "")
-        )
+        note = f" ({t['note']})" if t["note"] else ""
+        lines.append(f"- {t['model']}: {t['target']}: {t['shown']} — {verdict}{note}")
     return "\n".join(lines)
 
 
@@ -248,35 +203,19 @@ def header(result: dict[str, Any]) -> str:
 def accuracy(result: dict[str, Any]) -> str:
     """How close the profile and the roofline came to the measured steps of the uniform policies, how each ranks
     them, and what `full` costs against its FLOPs: one paragraph ('' without a uniform policy row)."""
-    points, fulls = [], []
-    for i, section in enumerate(result["sections"]):
-        for r in result["rows"]:
-            if r["section"] != i or r["kind"] != "policy" or r["name"] not in UNIFORM:
-                continue
-            points.append(
-                Point(
-                    section["model"],
-                    r["name"],
-                    r["step_ms"],
-                    r["step_spread"],
-                    r.get("pred_profile_ms"),
-                    r.get("pred_roofline_ms"),
-                )
-            )
-            if r["name"] == "full":
-                fulls.append((section["model"], r))
+    rows = [r for r in result["rows"] if r["kind"] == "policy" and r["name"] in UNIFORM]
+    fields = ("model", "name", "step_ms", "step_spread", "pred_profile_ms", "pred_roofline_ms")
+    points = [Point(*(r[k] for k in fields)) for r in rows]
     if not points:
         return ""
-    m = result["meta"]
-    text = f"From `{m['command']}` ({environment_text(m)}): {sources_text(points, SOURCE_TARGETS)}."
-    ranks = rankings_text(points)
-    text += f" {ranks}." if ranks else ""
+    text = paragraph(result["meta"]["command"], result["meta"], points, SOURCE_TARGETS)
+    fulls = [r for r in rows if r["name"] == "full"]
     if fulls:
         first, *rest = fulls
         costs = [
-            f"{first[1]['step_ratio']:.2f}× `none` on `{first[0]}` against {first[1]['flops_ratio']:.2f}× its FLOPs"
+            f"{first['step_ratio']:.2f}× `none` on `{first['model']}` against {first['flops_ratio']:.2f}× its FLOPs"
         ]
-        costs += [f"{r['step_ratio']:.2f}× on `{model}` against {r['flops_ratio']:.2f}×" for model, r in rest]
+        costs += [f"{r['step_ratio']:.2f}× on `{r['model']}` against {r['flops_ratio']:.2f}×" for r in rest]
         text += f" `full` costs {joined(costs)}."
     return text
 

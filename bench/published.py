@@ -1,43 +1,16 @@
 """The published GPU record, estimated: each published configuration the project can express, our estimate beside
-the published figure, with the ratio, the source and the caveats.
+the published figure, with the ratio, the source and the caveats (the paragraphs it prints say which, and how).
 
     python -m bench.published                  # print the tables (about a minute on 2 cores)
     python -m bench.published --write-docs     # also rewrite its blocks in docs/benchmarks.md and README.md
 
-Rows:
-
-- torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1 (Llama-3.1-8B, 8 GPUs, FSDP 8, local batch
-  2 × 8192, selective per-op AC, torch of December 2024): the "FSDP" row in our words — trainer=fsdp2 on 8 ranks,
-  precision=bf16-mixed (FSDP2's MixedPrecisionPolicy, as torchtitan), policy=torchtitan_sac with the save list of
-  its releases up to 0.2 (policy.version=0.2), on the catalogue's H100-96GB. Its memory column is the peak
-  *reserved* bytes (torchtitan prints `reserved_bytes.all.peak`): set beside our replay of CUDA's caching
-  allocator with expandable segments, as torchtitan's launcher sets it, and our tensors' peak (what
-  `max_memory_allocated` would be) beside that. Estimated on the LLaMA code torchtitan ran then
-  (TORCHTITAN_2024_MODEL) and on ours; the tokens/s as an interval over every published range the time model takes
-  (docs/step-time.md), and where the published figure falls in it. The compile and Float8 rows are listed, not
-  estimated: the estimator's compiled step runs on one device (not FSDP2), and has no Float8.
-- torchtitan PR 2570 (graph-based SAC, 2026-03): Llama-3-8B on FSDP 4 × TP 2, no AC and eager per-op SAC, as its
-  log lines give them (memory: torchtitan's peak reserved; tps: a TP group's tokens per second over its GPUs). The
-  PR names the layout and the model only: the rest is torchtitan's own Llama-3-8B configuration at the release the
-  PR landed in (0.3.0, installed beside us: local batch 1 × 8192, bf16 parameters and fp32 reduce-scatter, SP on,
-  loss parallelism always on), its SAC save list as policy.version=0.3, and the 96 GB H100 (the log's memory
-  percentages put the device at 95.0 GiB) at both ends of its throughput as above.
-- Korthikanti et al. 2022, Table 4: one 22B GPT layer (h 6144, 64 heads, s 2048, micro-batch 4) on an A100, forward
-  + backward time under no recompute, full recompute, selective recompute, and selective recompute with sequence
-  parallelism, at tensor parallelism 8 with Megatron's fused kernels. Ours is one rank of the same TP 8 split
-  (docs/layouts.md) on an A100-80GB in eager PyTorch (bf16 parameters, unfused LayerNorm, softmax, dropout and
-  GeLU), its TP collectives on the catalogue's NVLink, exposed. The layer's time is the difference between a
-  2-layer and a 1-layer model's forward and backward (vocabulary 256, so the head is noise), on fake tensors priced
-  by the roofline.
-- Korthikanti et al. 2022, §4.2.3: with 1F1B the first pipeline stage holds the activations of all L layers whatever
-  p is, and the interleaved schedule multiplies them by 1 + (p − 1)/(p·v). Ours is the first rank of GPT-3 175B
-  (96 layers, h 12288, s 2048, micro-batch 1) in 8 stages over 16 micro-batches, torch's schedules on fake tensors
-  (trainer.estimate.pipeline): its step's peak without the gradients over one micro-batch's through the whole model.
+Rows: torchtitan's Llama-3.1-8B Table 1 (FSDP 8) and PR 2570 (FSDP 4 × TP 2), on the catalogue's H100-96GB as an
+interval over every published range; Korthikanti et al. 2022's Table 4 (one 22B GPT layer at TP 8 on an A100) and
+§4.2.3 (the first pipeline stage's activations under 1F1B and interleaved 1F1B). Fake tensors throughout.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime as dt
@@ -45,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench._readme import BENCHMARKS_PAGE, ROOT, add_page_arguments, replace_block
+from bench.common import BENCHMARKS_PAGE, README, Block, command, parser, publish
 from trainer.core.schema import compose_config
 from trainer.estimate import measure, open_session
 from trainer.formatting import markdown_table
@@ -57,22 +30,15 @@ from trainer.parallel import tensor as tensor_parallel
 from trainer.policies import apply_policy, build_policy
 
 COMMAND = "python -m bench.published"
-README = ROOT / "README.md"
-START, END = "<!-- published-record:start -->", "<!-- published-record:end -->"  # docs/benchmarks.md
-README_START, README_END = "<!-- published-summary:start -->", "<!-- published-summary:end -->"
+RECORD = Block("published-record", "## Against the published record", BENCHMARKS_PAGE)
+SUMMARY = Block("published-summary", "## Against the published record")  # on --page: the README
 GIB = 2**30
 
 TORCHTITAN = "torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1"
-TORCHTITAN_ROW = [
-    "model=llama3-8b",
-    "batch_size=2",
-    "seq_len=8192",
-    "trainer=fsdp2",
-    "trainer.devices=8",
-    "precision=bf16-mixed",
-    "policy=torchtitan_sac",
-    "policy.version=0.2",
-]
+TORCHTITAN_ROW = (
+    "model=llama3-8b batch_size=2 seq_len=8192 trainer=fsdp2 trainer.devices=8 precision=bf16-mixed "
+    "policy=torchtitan_sac policy.version=0.2"
+).split()
 # torchtitan's LLaMA at the benchmark's commit (9dec370): rotary as fp32 complex numbers, keys and values copied to
 # every query head before SDPA (torchtitan/models/llama/model.py: apply_rotary_emb, repeat_kv). Our default llama
 # rotates in bf16 and lets SDPA share the key/value heads; the row is estimated on both.
@@ -85,15 +51,10 @@ TORCHTITAN_LOW_TFLOPS = 835.0
 TORCHTITAN_TABLE = (("FSDP", 5762, 82.4), ("FSDP + compile", 6667, 77.0), ("FSDP + compile + Float8", 8532, 76.8))
 
 TITAN_TP = "torchtitan PR 2570"
-TITAN_TP_ROW = [
-    "model=llama3-8b",
-    "batch_size=1",
-    "seq_len=8192",
-    "trainer=fsdp2",
-    "trainer.devices=8",
-    "trainer.tensor_parallel=2",
-    "precision=bf16-mixed",
-]
+TITAN_TP_ROW = (
+    "model=llama3-8b batch_size=1 seq_len=8192 trainer=fsdp2 trainer.devices=8 trainer.tensor_parallel=2 "
+    "precision=bf16-mixed"
+).split()
 # (row, our policy overrides, tokens/s per GPU, memory GiB): the published figures
 TITAN_TP_TABLE = (
     ("no AC", ("policy=none",), 4878, 49.65),
@@ -101,21 +62,12 @@ TITAN_TP_TABLE = (
 )
 
 KORTHIKANTI = "Korthikanti et al. 2022, Table 4"
-LAYER = [
-    "model=gpt2",
-    "model.n_embd=6144",
-    "model.n_head=64",
-    "model.block_size=2048",
-    "model.vocab_size=256",
-    "model.dropout=0.1",
-    "model.attention=eager",
-    "seq_len=2048",
-    "batch_size=4",
-    "precision=bf16-true",
-    "trainer=fsdp2",  # one rank of 8, all of them tensor-parallel (a data-parallel degree of 1)
-    "trainer.devices=8",
-    "trainer.tensor_parallel=8",
-]
+# one rank of 8 (trainer=fsdp2), all of them tensor-parallel (a data-parallel degree of 1)
+LAYER = (
+    "model=gpt2 model.n_embd=6144 model.n_head=64 model.block_size=2048 model.vocab_size=256 model.dropout=0.1 "
+    "model.attention=eager seq_len=2048 batch_size=4 precision=bf16-true trainer=fsdp2 trainer.devices=8 "
+    "trainer.tensor_parallel=8"
+).split()
 # torchtitan's launcher (run_train.sh) runs every training with the caching allocator's expandable segments
 # (PYTORCH_CUDA_ALLOC_CONF, later PYTORCH_ALLOC_CONF): its reserved figures are that mode's
 TORCHTITAN_ALLOC_CONF = "expandable_segments:True"
@@ -179,15 +131,8 @@ def torchtitan_row(overrides: list[str]) -> TitanRow:
     fast = gpu_speed(gpu, end="fast").predict(est.work)
     assert est.reserved_bytes is not None
     tokens = est.tokens / config.trainer.tensor_parallel
-    return TitanRow(
-        t.tokens_per_s(tokens),
-        t.ms,
-        est.reserved_bytes,
-        est.peak_bytes,
-        t.exposed_collective_ms,
-        slow.tokens_per_s(tokens),
-        fast.tokens_per_s(tokens),
-    )
+    ends = [x.tokens_per_s(tokens) for x in (t, slow, fast)]
+    return TitanRow(ends[0], t.ms, est.reserved_bytes, est.peak_bytes, t.exposed_collective_ms, *ends[1:])
 
 
 def torchtitan_fsdp_row() -> TitanRow:
@@ -234,19 +179,11 @@ def pipeline_factors() -> dict[str, tuple[float, float]]:
 
 def collect() -> dict[str, Any]:
     t0 = time.perf_counter()
-    titan = torchtitan_fsdp_row()
-    titan_ours = torchtitan_row(TORCHTITAN_ROW)
-    titan_tp = {name: torchtitan_row([*TITAN_TP_ROW, *ours]) for name, ours, *_ in TITAN_TP_TABLE}
+    out = {"titan": torchtitan_fsdp_row(), "titan_ours": torchtitan_row(TORCHTITAN_ROW)}
+    out["titan_tp"] = {name: torchtitan_row([*TITAN_TP_ROW, *ours]) for name, ours, *_ in TITAN_TP_TABLE}
     a100 = gpu_speed(find_gpu(LAYER_GPU))
-    layer = {(p, sp): layer_ms(p, sp, a100) for p, sp, *_ in KORTHIKANTI_TABLE}
-    return {
-        "titan": titan,
-        "titan_ours": titan_ours,
-        "titan_tp": titan_tp,
-        "layer": layer,
-        "pipeline": pipeline_factors(),
-        "seconds": time.perf_counter() - t0,
-    }
+    out["layer"] = {(p, sp): layer_ms(p, sp, a100) for p, sp, *_ in KORTHIKANTI_TABLE}
+    return out | {"pipeline": pipeline_factors(), "seconds": time.perf_counter() - t0}
 
 
 def _titan_cells(name: str, tps: float, mem: float, row: TitanRow) -> list[object]:
@@ -262,12 +199,7 @@ def _titan_cells(name: str, tps: float, mem: float, row: TitanRow) -> list[objec
 
 
 TITAN_HEADER = (
-    "torchtitan row",
-    "published tokens/s/GPU",
-    "ours: middle, interval",
-    "published memory",
-    "ours reserved",
-    "ours allocated",
+    "torchtitan row|published tokens/s/GPU|ours: middle, interval|published memory|ours reserved|ours allocated"
 )
 
 
@@ -282,9 +214,9 @@ def _parts(out: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     ]
     for name, tps, mem in TORCHTITAN_TABLE[1:]:
         rows.append([name, f"{tps:,}", "not estimated", f"{mem} GiB reserved", "—", "—"])
-    first = markdown_table(TITAN_HEADER, rows, "lrrrrr")
+    first = markdown_table(TITAN_HEADER.split("|"), rows, "lrrrrr")
     tp_rows = [_titan_cells(n, tps, mem, out["titan_tp"][n]) for n, _, tps, mem in TITAN_TP_TABLE]
-    tp_table = markdown_table(TITAN_HEADER, tp_rows, "lrrrrr")
+    tp_table = markdown_table(TITAN_HEADER.split("|"), tp_rows, "lrrrrr")
     tp_text = (
         f"{TITAN_TP}: Llama-3-8B on FSDP 4 × TP 2, as `python -m trainer.estimate {' '.join(TITAN_TP_ROW)} "
         f"--gpu {TORCHTITAN_GPU}` (the PR names the layout only: local batch 1 × 8192, the precision, sequence and "
@@ -387,18 +319,12 @@ def summary(out: dict[str, Any]) -> str:
     )
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
-    add_page_arguments(ap, README, f"the block between {README_START} and {README_END} (and docs/benchmarks.md's)")
-    args = ap.parse_args(argv)
+    args = parser(COMMAND, __doc__, page=README, blocks=(SUMMARY, RECORD)).parse_args(argv)
     out = collect()
     text = render(out)
-    print(text)
-    if args.write_docs:
-        replace_block(BENCHMARKS_PAGE, START, END, text, "## Against the published record")
-        replace_block(args.page, README_START, README_END, summary(out), "## Against the published record")
-        print(f"\nwrote {BENCHMARKS_PAGE} and {args.page}")
-    return 0
+    return publish(text, args, {RECORD: text, SUMMARY: summary(out)})
 
 
 if __name__ == "__main__":

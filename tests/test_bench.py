@@ -20,9 +20,9 @@ import torch
 from bench import planner as bench_planner
 from bench import policies as bench
 from bench import step_time_table
-from bench._readme import BENCHMARKS_PAGE, STEP_TIME_PAGE, cpu_name, replace_block
 from bench.accuracy import Point, rankings_text, sources_text
-from bench.policies_report import ACCURACY_END, ACCURACY_START, POLICY_TABLE_END, POLICY_TABLE_START
+from bench.common import BENCHMARKS_PAGE, STEP_TIME_PAGE, cpu_name, replace_block
+from bench.policies_report import ACCURACY, POLICY_TABLE, TABLE
 from tests.conftest import ROOT
 from trainer.policies import POLICIES, Plan
 from trainer.precision import cpu_bf16_native, resolve
@@ -152,10 +152,10 @@ def test_outputs_header_and_docs_blocks(micro_run: dict[str, Any]) -> None:
     # how each source ranks the uniform policies is said once, in the paragraph, not again under the table
     assert "The profile " in accuracy and "the roofline " in accuracy and "Ranking" not in table
     before, after = BENCHMARKS_PAGE.read_text(), micro_run["page"].read_text()
-    assert f"{bench.START}\n{table}\n{bench.END}" in after
-    assert f"{ACCURACY_START}\n{accuracy}\n{ACCURACY_END}" in after
-    assert after.split(POLICY_TABLE_START)[0] == before.split(POLICY_TABLE_START)[0]
-    blocks = ((bench.START, bench.END), (ACCURACY_START, ACCURACY_END), (POLICY_TABLE_START, POLICY_TABLE_END))
+    assert f"{TABLE.start}\n{table}\n{TABLE.end}" in after
+    assert f"{ACCURACY.start}\n{accuracy}\n{ACCURACY.end}" in after
+    assert after.split(POLICY_TABLE.start)[0] == before.split(POLICY_TABLE.start)[0]
+    blocks = ((TABLE.start, TABLE.end), (ACCURACY.start, ACCURACY.end), (POLICY_TABLE.start, POLICY_TABLE.end))
     assert _outside(after, *blocks) == _outside(before, *blocks)
     for start, end in blocks:
         assert after.count(start) == after.count(end) == 1
@@ -181,7 +181,7 @@ def test_the_policy_table_is_the_benchmarks_own_rows(micro_run: dict[str, Any]) 
     """The policy-table block (every policy against none) is written by bench.policies from the rows it measured:
     the same plans, bytes and FLOPs, in the registry's order, once each."""
     rows = _rows(micro_run["data"], "policy")
-    block = micro_run["page"].read_text().split(POLICY_TABLE_START)[1].split(POLICY_TABLE_END)[0]
+    block = micro_run["page"].read_text().split(POLICY_TABLE.start)[1].split(POLICY_TABLE.end)[0]
     lines = [line for line in block.splitlines() if line.startswith("| `")]
     assert len(lines) == len(rows) == len(EAGER_ROWS)
     for line, r in zip(lines, rows.values(), strict=True):
@@ -228,19 +228,19 @@ def test_a_policy_the_model_refuses_fails_in_one_line(capsys: pytest.CaptureFixt
 
 
 def test_docs_writer_replaces_only_the_marked_block(tmp_path: Path) -> None:
-    start, end = bench.START, bench.END
+    start, end = TABLE.start, TABLE.end
     page = tmp_path / "benchmarks.md"
     before = "# title\n\n<!-- policy-table:start -->\nother block\n<!-- policy-table:end -->\n\n## Bench\n\n"
     after = "\n\ntrailing text\n"
     page.write_text(f"{before}{start}\nold table\n{end}{after}")
-    replace_block(page, start, end, "new table\nline 2", bench.HEADING)
+    replace_block(page, start, end, "new table\nline 2", TABLE.heading)
     assert page.read_text() == f"{before}{start}\nnew table\nline 2\n{end}{after}"
-    replace_block(page, start, end, "newer", bench.HEADING)  # again: still one block, the rest untouched
+    replace_block(page, start, end, "newer", TABLE.heading)  # again: still one block, the rest untouched
     assert page.read_text() == f"{before}{start}\nnewer\n{end}{after}"
     fresh = tmp_path / "FRESH.md"  # no markers yet: a section holding them is appended
     fresh.write_text("# title\n\nbody\n")
-    replace_block(fresh, start, end, "table", bench.HEADING)
-    assert fresh.read_text() == f"# title\n\nbody\n\n{bench.HEADING}\n\n{start}\ntable\n{end}\n"
+    replace_block(fresh, start, end, "table", TABLE.heading)
+    assert fresh.read_text() == f"# title\n\nbody\n\n{TABLE.heading}\n\n{start}\ntable\n{end}\n"
 
 
 def test_command_line_to_rerun_drops_the_output_flags() -> None:
@@ -253,18 +253,13 @@ def test_command_line_to_rerun_drops_the_output_flags() -> None:
 def test_the_benchmark_tables_live_on_their_docs_pages() -> None:
     """Every block a benchmark writes sits on its docs page, between its markers, once."""
     pages = {
-        BENCHMARKS_PAGE: [
-            (POLICY_TABLE_START, POLICY_TABLE_END),
-            (bench.START, bench.END),
-            (ACCURACY_START, ACCURACY_END),
-            (bench_planner.START, bench_planner.END),
-            (bench_planner.ACCURACY_START, bench_planner.ACCURACY_END),
-        ],
-        STEP_TIME_PAGE: [(step_time_table.START, step_time_table.END)],
+        BENCHMARKS_PAGE: [POLICY_TABLE, TABLE, ACCURACY, bench_planner.TABLE, bench_planner.ACCURACY],
+        STEP_TIME_PAGE: [step_time_table.TABLE, step_time_table.CONSTANTS],
     }
     for page, markers in pages.items():
         text = page.read_text()
-        for start, end in markers:
+        for block in markers:
+            start, end = block.start, block.end
             assert text.count(start) == text.count(end) == 1 and text.index(start) < text.index(end), (page, start)
 
 
@@ -352,7 +347,7 @@ def test_step_time_table_is_the_estimators_figures(tmp_path: Path) -> None:
     assert "| policy | plan | FLOPs × none | H100-80GB step ms | tokens/s | L4-24GB step ms | tokens/s |" in block
     assert "Not in the table: `auto`" in block
     before, after = STEP_TIME_PAGE.read_text(), page.read_text()
-    start, end = step_time_table.START, step_time_table.END
+    start, end = step_time_table.TABLE.start, step_time_table.TABLE.end
     assert f"{start}\n{block}\n{end}" in after
     assert _outside(after, (start, end)) == _outside(before, (start, end))
 
