@@ -132,7 +132,9 @@ def test_a_lone_percent_sign_in_a_help_text_is_printed() -> None:
 def test_a_commands_imports_leave_later_collections_and_its_own_cycles_are_still_collected() -> None:
     """trainer.interpreter.lean_imports, around every command's imports: what the block imported is frozen out of later
     collections, the collector is on again after it, and a cycle the command makes afterwards is still collected (a
-    run's own garbage is freed as before); at exit the run's objects are frozen too, and the process ends cleanly."""
+    run's own garbage is freed as before), even past a second block that imports nothing new (a sequential sweep's
+    next job: its last run's garbage is not frozen); at exit the run's objects are frozen too, and the process ends
+    cleanly."""
     code = (
         "import gc\n"
         "from trainer.interpreter import lean_imports\n"
@@ -145,9 +147,12 @@ def test_a_commands_imports_leave_later_collections_and_its_own_cycles_are_still
         "c = Cycle()\n"
         "c.me = c\n"
         "del c\n"
+        "with lean_imports():\n"
+        "    import json\n"
+        "print(gc.get_freeze_count() == frozen)\n"
         "gc.collect()\n"
         "print(gc.isenabled(), frozen > 0)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=CLI_ENV)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["collected", "True", "True"]
+    assert r.stdout.split() == ["True", "collected", "True", "True"]

@@ -16,8 +16,8 @@ built too, so the last collection has nothing to walk. Files are not affected: e
 (the run folder's files are written atomically), and atexit handlers (logging's flush among them) still run.
 
 Near tools: `gc.freeze` is the whole mechanism (Python's own, documented for forking servers); torch has no
-equivalent. Known limitation: a library object frozen here and later dropped into a reference cycle is not
-collected; import-time objects of these libraries live until exit anyway.
+equivalent. Known limitations: the cyclic garbage the imports leave is frozen with the rest and never freed (a few MiB
+for torch and Lightning), and a library object frozen here and later dropped into a reference cycle is not collected.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import sys
 from collections.abc import Iterator
 
 _exit_registered = False
@@ -41,13 +42,19 @@ def lean_exit() -> None:
 
 @contextlib.contextmanager
 def lean_imports() -> Iterator[None]:
-    """Import in the block without the cyclic collector, then freeze what exists and collect as before; `lean_exit`."""
+    """Import in the block without the cyclic collector, then freeze what exists and collect as before; `lean_exit`.
+
+    Nothing is frozen when the block imported nothing new: a second run in the same process (Hydra's sequential
+    multirun calls train.py's main once per job) must not freeze the last run's garbage, tensors included, for good.
+    """
     enabled = gc.isenabled()
+    modules = len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if len(sys.modules) > modules:
+            gc.freeze()
         if enabled:
             gc.enable()
         lean_exit()
