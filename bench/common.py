@@ -117,9 +117,10 @@ def publish(printed: str, args: argparse.Namespace, blocks: dict[Block, str]) ->
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """A benchmark's main, ended as every one ends a failure: a mistake in its input (a config error, or a ValueError
-    such as BenchError its own checks raise) as one `error:` line on stderr and exit status 2; anything else raised
-    again, with its traceback (trainer.core.schema.user_error_status is the tools' same ending without ValueError)."""
+    """A benchmark's main, ended as every one ends a failure: a mistake in its input (a config error, or a BenchError
+    its own checks raise) as one `error:` line on stderr and exit status 2; anything else (a bug: a ValueError from
+    deep inside included) raised again, with its traceback (trainer.core.schema.user_error_status is the tools' same
+    ending)."""
 
     @functools.wraps(main)
     def ended(argv: list[str] | None = None) -> int:
@@ -127,7 +128,7 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return main(argv)
         except Exception as e:
             line = describe_user_error(e)
-            if line is None and not isinstance(e, ValueError):
+            if line is None and not isinstance(e, BenchError):
                 raise
             print(f"error: {line or e}", file=sys.stderr)
             return 2

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from bench.common import BENCHMARKS_PAGE, ROOT, at_least, command, parser, publish, use_device
 from bench.harness import (
@@ -43,8 +44,8 @@ from bench.harness import (
     sync,
 )
 from bench.policies_report import ACCURACY, POLICY_TABLE, TABLE, accuracy, policy_table, report, targets
-from trainer import estimate
-from trainer.core.schema import Config, compose_config
+from trainer import CONF, estimate
+from trainer.core.schema import Config, ModelConfig
 from trainer.formatting import MIB
 from trainer.loss import LOSSES, LossConfig
 from trainer.measure.time.calibration import speed_here
@@ -112,9 +113,13 @@ def model_overrides(args: argparse.Namespace, model: str) -> list[str]:
     out = [f"model={model}"]
     out += [f"{key}={getattr(args, flag)}" for flag, (key, _) in SHORTCUTS.items() if getattr(args, flag) is not None]
     out += list(args.overrides)
-    if not any(o.startswith("seq_len=") for o in out):  # the default seq_len, capped at the model's context
-        block = compose_config(out).model.block_size
-        out += [f"seq_len={block}"] if block is not None and block < Config.seq_len else []
+    if not any(o.startswith("seq_len=") for o in out):  # the default seq_len, capped at the model's context (micro: 64)
+        # read before composing: the composed config validates the default seq_len against the context and refuses
+        block = next((o.split("=", 1)[1] for o in out if o.startswith("model.block_size=")), None)
+        path = CONF / "model" / f"{model}.yaml"
+        if block is None and path.is_file():
+            block = OmegaConf.load(path).get("block_size", ModelConfig.block_size)
+        out += [f"seq_len={block}"] if block is not None and int(block) < Config.seq_len else []
     return out
 
 
@@ -186,7 +191,11 @@ def time_overhead(config: Config, device: torch.device, steps: int) -> dict[str,
         "enable_progress_bar": False,
         "enable_model_summary": False,
     }
-    logging.disable(logging.WARNING)  # Lightning's per-fit banners (GPU unused, few workers, ...) say nothing here
+    # Lightning's per-fit banners (GPU unused, few workers, ...) say nothing here; its loggers only, restored after
+    loggers = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -197,7 +206,8 @@ def time_overhead(config: Config, device: torch.device, steps: int) -> dict[str,
             )  # fmt: skip
             trainer.fit(module, train_dataloaders=loader)
     finally:
-        logging.disable(logging.NOTSET)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
     k = len(out["lightning"])
     return {"bare": out["bare"][1:k], "lightning": out["lightning"][1:k]}
 

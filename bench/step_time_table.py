@@ -19,7 +19,18 @@ from typing import Any
 
 import torch
 
-from bench.common import STEP_TIME_PAGE, Block, at_least, command, cpu_name, joined, parser, publish, threads_text
+from bench.common import (
+    STEP_TIME_PAGE,
+    BenchError,
+    Block,
+    at_least,
+    command,
+    cpu_name,
+    joined,
+    parser,
+    publish,
+    threads_text,
+)
 from trainer.core.schema import compose_config
 from trainer.estimate import Estimate, estimate_all, open_session
 from trainer.estimate.tables import quiet_policy_notices
@@ -58,7 +69,7 @@ def run(overrides: Sequence[str], gpus: Sequence[str], workers: int = 2) -> dict
         session.close()
     estimates = {n: e for n, e in table.items() if isinstance(e, Estimate)}
     if "none" not in estimates:
-        raise ValueError(f"policy none did not run: {table.get('none')}")
+        raise BenchError(f"policy none did not run: {table.get('none')}")
     # where the table was made (the figures do not depend on this CPU: fake tensors)
     where = f"{dt.date.today().isoformat()}, torch {torch.__version__}, on CPU {cpu_name()}, "
     return {

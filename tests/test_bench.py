@@ -250,6 +250,17 @@ def test_command_line_to_rerun_drops_the_output_flags() -> None:
     assert bench.command_line(args) == "python -m bench.policies --model gpt2 --device cuda"
 
 
+def test_a_short_context_caps_the_default_seq_len_before_the_config_is_composed() -> None:
+    """bench.policies without seq_len: the conf default (256) capped at the model's context, read before composing
+    (the composed config would refuse 256 on micro's 64): its docstring's smoke command runs."""
+    from bench.policies import model_overrides, parse_args
+
+    assert model_overrides(parse_args(["--model", "micro"]), "micro") == ["model=micro", "seq_len=64"]
+    args = parse_args(["--model", "micro", "model.block_size=32"])
+    assert model_overrides(args, "micro") == ["model=micro", "model.block_size=32", "seq_len=32"]
+    assert model_overrides(parse_args(["--model", "tiny"]), "tiny") == ["model=tiny"]
+
+
 def test_the_benchmark_tables_live_on_their_docs_pages() -> None:
     """Every block a benchmark writes sits on its docs page, between its markers, once."""
     pages = {
