@@ -462,7 +462,9 @@ def test_every_policy_in_the_table_ranks_as_theory_says(compose_cfg: Callable[..
     assert est["none"].kept_per_layer == [est["none"].kept_per_layer[0]] * 4
 
 
-def test_a_worker_process_makes_the_same_tables_as_this_one(compose_cfg: Callable[..., Any]) -> None:
+def test_a_worker_process_makes_the_same_tables_as_this_one(
+    compose_cfg: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tables split over a spawned worker (start-up charged nothing, so it starts even for this small model)
     are this process's, figure for figure; without that push a model this small stays in one process. The ops'
     work is the same op for op; only the optimizer's scalars in their signatures differ (AdamW's bias corrections
@@ -477,9 +479,20 @@ def test_a_worker_process_makes_the_same_tables_as_this_one(compose_cfg: Callabl
             ops[(k.kind, k.dtype, k.flops, k.nbytes)] += n
         return ops
 
+    import concurrent.futures
+
+    pools = []
+
+    class Pool(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pools.append(self)
+            super().__init__(*args, **kwargs)
+
     config = validate(compose_cfg("precision=32-true"))
     one = estimate_tables(config, "cpu", workers=1)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
     two = estimate_tables(config, "cpu", workers=2, startup_s=0.0)
+    assert len(pools) == 1  # the worker did start
     for a, b in zip(one, two, strict=True):
         assert list(a) == list(b)
         for name in a:

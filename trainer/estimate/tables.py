@@ -63,15 +63,16 @@ def estimate_tables(
     startup_s: float | None = None,
 ) -> tuple[dict[str, Estimate | str], dict[str, Estimate | str]]:
     """The policy table (`estimate_all`; with `policies` false, only `known`) and, with `losses`, the configured
-    policy under every loss head. `first` makes the configured policy's estimate in this process once the workers
-    are started (so their start-up overlaps it); it stands for `known`. `only`: these policies, no others.
+    policy under every loss head. `first` makes the configured policy's estimate in this process, first (its time
+    decides whether a worker is worth starting); it stands for `known`. `only`: these policies, no others.
 
     A policy whose plan runs as one already measured (selective under fused attention, offload without a device to
     offload from: both `none`) takes that estimate under its own name. `workers` > 1 measures part of the work in
     other processes, each with a session of its own: the fake run is Python-bound, so on 2 cores the tables of a 7B
     model take about half the time. A worker is started only once one step has been timed here and the steps left
-    are worth its start-up (`startup_s`, by default this process's CPU time so far: a worker repeats its imports
-    and its session), so a small model's tables stay in this process, where a worker would cost more than it saves."""
+    are worth its start-up (`startup_s`, by default this process's CPU time at its first table: a worker repeats its
+    imports and its session), so a small model's tables stay in this process, where a worker costs more than it
+    saves."""
     session = session or open_session(config, device, autocast_cache)
     configured = build_policy(config.policy).cfg.name
     table: dict[str, Estimate | str] = {}
@@ -97,11 +98,13 @@ def estimate_tables(
                 heads[name] = known
         else:
             tasks.append((configured, name))
-    startup_s = time.process_time() if startup_s is None else startup_s
+    startup_s = _worker_startup_s() if startup_s is None else startup_s
+    fake_cpu = not session.offloads
     done: dict[Task, Estimate | str] = {}
     pool = None
     futures = []
     try:
+        groups = _groups(tasks, session, config, plans) if workers > 1 and len(tasks) > 2 else None
         step_s = None
         t0 = time.perf_counter()
         if first is not None:
@@ -110,17 +113,18 @@ def estimate_tables(
             if losses:
                 heads[known.loss] = known
             step_s = time.perf_counter() - t0
-        elif workers > 1 and len(tasks) > 2:  # one step timed here before deciding
-            one = _run_tasks(config, session.device, plans, autocast_cache, tasks[:1], session, known)
-            step_s, tasks = time.perf_counter() - t0, tasks[1:]
+        elif groups and (probe := next((k for k, (_, refused) in groups.items() if not refused), None)):
+            probed = groups.pop(probe)[0]  # one step timed here before deciding (its group takes its figures)
+            one = _run_tasks(config, session.device, plans, autocast_cache, probed, session, known)
+            step_s = time.perf_counter() - t0
             done |= one
-            if known is None and isinstance(measured := one[next(iter(one))], Estimate):
-                known = measured  # the rest may run the same step
-        shares = [tasks]
-        if workers > 1 and step_s is not None and len(tasks) > 2:
-            groups = _groups(tasks, session, config, plans)
-            if len(groups) * step_s * (workers - 1) / workers > startup_s:
-                shares = _split(groups, workers)
+            if known is None and isinstance(measured := one[probed[0]], Estimate):
+                known = measured
+        shares = [tasks] if groups is None else [[t for g, _ in groups.values() for t in g]]
+        if groups and step_s is not None and len(groups) * step_s * (workers - 1) / workers > startup_s:
+            # the step this process already holds (`known`) stays here: a worker would measure it again
+            mine = groups.pop((_same_run(known.plan, fake_cpu), known.loss), ([], False))[0] if known else []
+            shares = _split(mine, [g for g, _ in groups.values()], workers)
         if len(shares) > 1:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
@@ -133,6 +137,11 @@ def estimate_tables(
         done |= _run_tasks(config, session.device, plans, autocast_cache, shares[0], session, known)
         for f in futures:
             done |= f.result()
+    except BaseException:
+        if pool is not None:  # a failure here: the workers' shares are not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+            pool = None
+        raise
     finally:
         if pool is not None:
             pool.shutdown()
@@ -186,11 +195,14 @@ def _run_tasks(
     return out
 
 
-def _groups(tasks: list[Task], session: Session, config: Config, plans: dict[str, Plan] | None) -> list[list[Task]]:
-    """`tasks` grouped by the step they run: one of a group is measured, the others take its figures."""
+def _groups(
+    tasks: list[Task], session: Session, config: Config, plans: dict[str, Plan] | None
+) -> dict[Any, tuple[list[Task], bool]]:
+    """`tasks` by the step they run, keyed as `_run_tasks` keys its measured steps (one of a group is measured, the
+    others take its figures), each with whether the policy refused this model (no step, nearly free)."""
     fake_cpu = not session.offloads
     configured = build_policy(config.policy)
-    groups: dict[Any, list[Task]] = {}
+    groups: dict[Any, tuple[list[Task], bool]] = {}
     for name, loss in tasks:
         policy = configured if name == configured.cfg.name else default_policy(name)
         try:
@@ -198,23 +210,36 @@ def _groups(tasks: list[Task], session: Session, config: Config, plans: dict[str
                 policy.choose(plans[name].treatments)  # type: ignore[index]
             with quiet_policy_notices():
                 policy.check(session.module.adapter.n_layer, session.module.adapter.attention)
-            key: Any = (_same_run(resolve_plan(policy, session.module.adapter).describe(), fake_cpu), loss)
+            plan = resolve_plan(policy, session.module.adapter).describe()
+            key: Any = (_same_run(plan, fake_cpu), loss or config.loss.name)
+            refused = False
         except PolicyError:
-            key = (name, loss)  # refused: no step, nearly free
-        groups.setdefault(key, []).append((name, loss))
-    return list(groups.values())
+            key, refused = (name, loss), True
+        groups.setdefault(key, ([], refused))[0].append((name, loss))
+    return groups
 
 
-def _split(groups: list[list[Task]], workers: int) -> list[list[Task]]:
-    """Groups into `workers` shares of about equal work; this process's share is one step lighter, a worker
-    spending about that starting up."""
-    shares: list[list[Task]] = [[] for _ in range(workers)]
+def _split(mine: list[Task], groups: list[list[Task]], workers: int) -> list[list[Task]]:
+    """`mine` (steps this process holds already) and `groups` into `workers` shares of about equal work, a worker
+    being charged one step for starting up."""
+    shares: list[list[Task]] = [list(mine)] + [[] for _ in range(workers - 1)]
     load = [0.0] + [1.0] * (workers - 1)
     for group in groups:
         i = min(range(workers), key=lambda k: load[k])
         shares[i] += group
         load[i] += 1.0
-    return [s for s in shares if s]
+    return [shares[0]] + [s for s in shares[1:] if s]
+
+
+_STARTUP_S: list[float] = []
+
+
+def _worker_startup_s() -> float:
+    """What a spawned worker repeats before its first step, its imports and its session: this process's CPU time at
+    its first table, kept for its later ones (by then it has done work a worker does not repeat)."""
+    if not _STARTUP_S:
+        _STARTUP_S.append(time.process_time())
+    return _STARTUP_S[0]
 
 
 def _same_run(plan: str, on_cpu: bool) -> str:
