@@ -10,10 +10,13 @@ Python's cyclic collector walks every one of them at each full collection the im
 the interpreter exits (after the atexit handlers, before the modules are torn down), where nothing it could free
 matters any more. For a command that runs for seconds (a smoke run, a test's run, each rank Lightning starts, a
 refusal) those passes are a large share of its time. `lean_imports` turns the collector off while its block imports,
-then freezes what exists (`gc.freeze`: moved out of every later collection, never freed early, since it lives as long
-as the process) and turns it back on, so training collects its own cycles as before; at exit it freezes what the run
-built too, so the last collection has nothing to walk. Files are not affected: each is closed where it is written
-(the run folder's files are written atomically), and atexit handlers (logging's flush among them) still run.
+then freezes what exists (`gc.freeze`: out of every later collection; what the imports built lives as long as the
+process) and turns it back on, so training collects its own cycles as before; at exit it freezes what the run built
+too, so the last collection has nothing to walk. What that gives up: an object in a reference cycle is not finalized
+at exit (its `__del__`, a weakref callback), so whatever must reach disk is closed where it is written, as here (the
+run folder's files atomically, TensorBoard's writer at the run's end, logging by its own atexit handler). A
+`python -m trainer.<tool>` command imports its package before its `__main__` runs, so there the block covers only
+what the package left to import; its exit is lean all the same.
 
 Near tools: `gc.freeze` is the whole mechanism (Python's own, documented for forking servers); torch has no
 equivalent. Known limitations: the cyclic garbage the imports leave is frozen with the rest and never freed (a few MiB
