@@ -12,6 +12,7 @@ level), each beside the estimator's figures; the header the table prints says ho
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Sequence
@@ -320,20 +321,30 @@ def header(outs: Sequence[dict[str, Any]], command: str) -> str:
 
 
 @command
+def _budgets(text: str) -> list[float]:
+    """--budgets: numbers, comma-separated; anything else one argparse error line, not a traceback."""
+    try:
+        return [float(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: give numbers in [0, 1], comma-separated") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser("python -m bench.compiled", __doc__, " (seq_len=128)", BENCHMARKS_PAGE, (TABLE, SUMMARY), threads=True)
     ap.add_argument("--models", default="tiny,llama-tiny", help="conf/model options, comma-separated")
     ap.add_argument("--reps", type=at_least(1), default=7, help="timed steps per variant (median)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="the policies compared eager and compiled")
     budgets = ",".join(f"{b:g}" for b in BUDGETS)
-    ap.add_argument("--budgets", default=budgets, help="memory_budget's budgets in [0, 1], comma-separated")
+    ap.add_argument(
+        "--budgets", type=_budgets, default=budgets, help="memory_budget's budgets in [0, 1], comma-separated"
+    )
     ap.add_argument("--levels", type=int, default=5, help="memory levels `auto` plans at (0: no auto rows, else ≥ 2)")
     args = ap.parse_intermixed_args(argv)
     if args.levels == 1 or args.levels < 0:
         ap.error("--levels must be 0 (no auto rows) or at least 2")
     use_device("cpu", args.threads)
     command = f"{COMMAND} {' '.join(args.overrides)}".rstrip()
-    budgets, policies = [float(b) for b in args.budgets.split(",")], args.policies.split(",")
+    budgets, policies = args.budgets, args.policies.split(",")
     outs = [run(m, args.overrides, args.reps, budgets, policies, args.levels) for m in args.models.split(",")]
     block = header(outs, command) + "\n\n" + "\n\n".join(f"**{o['shape']}**\n\n{table(o)}" for o in outs)
     return publish(block, args, {TABLE: block, SUMMARY: summary(outs, command)})
