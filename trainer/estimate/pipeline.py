@@ -18,7 +18,8 @@ Example::
     rank0.peak, rank0.activations
 
 Known limitations: a bare step (no optimizer, no clipping); torch ≥ 2.13's pipelining internals (`_warmup_p2p`,
-`InferenceMode`); one process with no process group of its own (it becomes rank `rank` of a fake group).
+`InferenceMode`). Outside a run the process becomes rank `rank` of a fake default group; inside one (a run's own
+prediction) its sends go to a fake group over the run's ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from models.adapter import adapter_for
-from trainer.errors import ConfigError
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
 from trainer.measure.memory.tracker import LiveTensorTracker
@@ -121,12 +121,10 @@ def estimate_rank(
 
     from trainer.policies import apply_policy
 
-    if dist.is_initialized():
-        raise ConfigError("a pipeline rank is estimated outside any process group: call estimate_rank outside a run")
     loss = loss or LossConfig()
     n_stages = world * virtual
     ids = [rank + world * v for v in range(virtual)]
-    with fake_rank(rank, world), FakeTensorMode(), _works_hold_their_tensors():
+    with fake_rank(rank, world) as group, FakeTensorMode(), _works_hold_their_tensors():
         modules = []
         for s in ids:
             model = build()
@@ -135,7 +133,9 @@ def estimate_rank(
             apply_policy(prune_to_stage(model, s, n_stages), stage_policy(policy, n_layer, layers, attention))
             modules.append(PipelineStageModule(model))
         dtype, hidden = next(modules[0].parameters()).dtype, modules[0].model.config.n_embd
-        stages = [pipeline_stage(m, s, n_stages, micro_batch, hidden, dtype) for m, s in zip(modules, ids, strict=True)]
+        stages = [
+            pipeline_stage(m, s, n_stages, micro_batch, hidden, dtype, group) for m, s in zip(modules, ids, strict=True)
+        ]
         last = modules[ids.index(n_stages - 1)] if n_stages - 1 in ids else modules[0]
         sched = build_schedule(schedule, stages, n_microbatches, stage_loss(last, loss))
 
@@ -207,6 +207,12 @@ def fit_ranks(config: Any, pipeline: PipelineLayout, budget: int) -> tuple[list[
     return fits, plan
 
 
+def estimate_pipeline_rank(config: Any, pipeline: PipelineLayout, rank: int) -> RankPeak:
+    """Rank `rank` of `config`'s pipeline under its configured policy, as `estimate_pipeline` estimates each rank
+    (a run's own prediction of its rank)."""
+    return _estimate_one(config, pipeline, rank, config.policy)
+
+
 def _estimate_one(config: Any, pipeline: PipelineLayout, rank: int, policy: Any) -> RankPeak:
     from models import build_model
     from trainer.core.schema import model_vocab
@@ -239,7 +245,7 @@ def estimate_pipeline(config: Any, pipeline: PipelineLayout) -> list[RankEstimat
     ranks = []
     for rank in range(pipeline.ranks):
         ids = pipeline.stages_of(rank)
-        figures = _estimate_one(config, pipeline, rank, config.policy)
+        figures = estimate_pipeline_rank(config, pipeline, rank)
         layers = [stage_layers(config.model.n_layer, pipeline.n_stages, s) for s in ids]
         ranks.append(RankEstimate(rank, ids, layers, figures))
     return ranks

@@ -20,8 +20,8 @@ Example::
     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
 
 Known limitations: native families only (a Hugging Face model's forward has no pruned form); tied embeddings (the
-embedding on the first stage, the head on the last) are refused; estimated per rank (trainer.estimate.pipeline), not
-yet run by train.py.
+embedding on the first stage, the head on the last) are refused; one stage a device (no data or tensor parallelism
+beside the stages yet). Trained by trainer.core.stages, estimated per rank by trainer.estimate.pipeline.
 """
 
 from __future__ import annotations
@@ -178,15 +178,26 @@ def build_schedule(
 
 
 def pipeline_stage(
-    module: PipelineStageModule, stage: int, n_stages: int, micro_batch: tuple[int, int], hidden: int, dtype: Any
+    module: PipelineStageModule,
+    stage: int,
+    n_stages: int,
+    micro_batch: tuple[int, int],
+    hidden: int,
+    dtype: Any,
+    group: Any = None,
 ) -> Any:
     """torch's `PipelineStage` for `module` with its shapes given (static metadata): token ids (micro_batch) into the
     first stage, the residual stream (micro_batch × hidden, `dtype`) between stages, and the gradients of both.
-    Given, no stage infers them by running a forward first, and a stage on fake tensors runs as a real one does."""
+    Given, no stage infers them by running a forward first, and a stage on fake tensors runs as a real one does.
+    `group`: the process group its sends and receives take (None: the default group)."""
     from torch.distributed.pipelining import PipelineStage
 
     device = next(module.parameters()).device
-    stream = torch.empty(*micro_batch, hidden, dtype=dtype, device=device)
+    # The stream between stages requires grad as a training stage's output does: torch reads from these examples
+    # whether a stage receives its input with grad (and so sends its gradient back) and receives its output's gradient;
+    # examples without it would make a stage's backward stop at its input, and every earlier stage's gradients zero.
+    stream = torch.empty(*micro_batch, hidden, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.empty(*micro_batch, hidden, dtype=dtype, device=device)
     tokens = torch.empty(*micro_batch, dtype=torch.long, device=device)
     first, last = stage == 0, stage == n_stages - 1
     return PipelineStage(
@@ -196,14 +207,42 @@ def pipeline_stage(
         device,
         input_args=tokens if first else stream,
         output_args=stream,
-        input_grads=None if first else stream,
-        output_grads=None if last else stream,
+        input_grads=None if first else grad,
+        output_grads=None if last else grad,
+        group=group,
     )
 
 
-def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> None:
+def step_rank(
+    sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor, backward: bool = True
+) -> list[torch.Tensor]:
     """One schedule step as a rank takes it: the micro-batches' tokens on the first stage's rank, the targets on the
-    last's."""
+    last's; the micro-batches' losses on the last stage's rank ([] elsewhere). `backward=False`: forward only
+    (torch's `eval`, a validation batch)."""
+    losses: list[torch.Tensor] = []
     args = (x,) if 0 in ids else ()
-    kwargs: dict[str, Any] = {"target": y, "losses": []} if n_stages - 1 in ids else {}
-    sched.step(*args, **kwargs)
+    kwargs: dict[str, Any] = {"target": y, "losses": losses} if n_stages - 1 in ids else {}
+    (sched.step if backward else sched.eval)(*args, **kwargs)
+    return losses
+
+
+def global_names(model: nn.Module) -> dict[int, str]:
+    """The state-dict key of each of `model`'s tensors (by identity), taken before `prune_to_stage`: a stage keeps
+    the whole model's names for its checkpoint keys, so a checkpoint of every stage is the whole model's."""
+    return {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, group: Any) -> torch.Tensor:
+    """The whole model's gradient norm over the stages of `group` (each rank holds its stages' gradients), and the
+    gradients clipped to `max_norm` by it when `max_norm` > 0: torch's `clip_grad_norm_` over one process's
+    parameters, with the squared norms summed across the ranks first, as torchtitan clips under pipelining."""
+    import torch.distributed as dist
+
+    held = [p for p in params if p.grad is not None]
+    local = torch.nn.utils.get_total_norm([p.grad for p in held], norm_type=2.0) if held else torch.zeros(())
+    squared = local.double() ** 2
+    dist.all_reduce(squared, group=group)
+    norm = squared.sqrt().float()
+    if max_norm > 0 and held:
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, norm)
+    return norm

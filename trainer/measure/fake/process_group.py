@@ -75,16 +75,31 @@ def fake_mesh(world: int, device_type: str, tensor_parallel: int = 1) -> tuple[A
 
 
 @contextlib.contextmanager
-def fake_rank(rank: int, world: int) -> Iterator[None]:
-    """This process as rank `rank` of a fake default group of `world` (a pipeline rank's estimate: its P2P sends and
-    receives go to ranks that do not exist), destroyed on exit."""
+def fake_rank(rank: int, world: int) -> Iterator[Any]:
+    """This process as rank `rank` of a fake group of `world` (a pipeline rank's estimate: its P2P sends and receives
+    go nowhere), destroyed on exit; yields the group to send on. Outside a run, the fake default group (None: the
+    default); inside a run (its own prediction), a fake group over the run's ranks, which must be `world` with this
+    process rank `rank`; the run's group is left untouched."""
     import torch.distributed as dist
 
-    dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world)
+        try:
+            yield None
+        finally:
+            dist.destroy_process_group()
+        return
+    if (dist.get_world_size(), dist.get_rank()) != (world, rank):
+        raise ConfigError(
+            f"an estimate of rank {rank} of {world} inside rank {dist.get_rank()} of {dist.get_world_size()}: "
+            "estimate it outside the run (python -m trainer.estimate with the run's overrides)"
+        )
+    _fake_store()  # importing its module registers the fake backend
+    group = dist.new_group(backend="fake")  # every rank predicts, so every rank makes it, in the same order
     try:
-        yield
+        yield group
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group(group)
 
 
 def release(group: Any) -> None:
