@@ -35,10 +35,9 @@ class NumericGuard(L.Callback):
         self.skipped_steps: list[int] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if not grads:
+        norm = grad_norm(pl_module)
+        if norm is None:
             return
-        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
         step = trainer.global_step + 1  # the step being taken: the number MeasureCallback logs it under
         for logger in trainer.loggers:
             logger.log_metrics({M.GRAD_NORM: norm}, step=step)
@@ -58,6 +57,16 @@ class NumericGuard(L.Callback):
             f"non-finite {what} at step {step}; the last good checkpoint is {ckpt or 'none (no step checkpointed yet)'}"
             "; lower optim.lr or set trainer.on_nonfinite=skip to skip such steps"
         )
+
+
+def grad_norm(pl_module: L.LightningModule) -> float | None:
+    """The whole model's gradient norm: the module's own where it has one (a pipeline rank holds its stages' alone,
+    and sums theirs with the other ranks'), else its parameters' (None before any backward)."""
+    own = getattr(pl_module, "grad_norm", None)
+    if own is not None:
+        return own()
+    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)) if grads else None
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:

@@ -47,6 +47,9 @@ class PredictionCallback(L.Callback):
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         session = None
         try:
+            if getattr(pl_module, "pipeline", None) is not None:  # a pipeline rank: its own stages, on fake tensors
+                self._predict_rank(trainer, pl_module)
+                return
             session = open_session(self.config, pl_module.device.type)
             est = measure(session, policy, pl_module.loss_config)
         except UserError as e:  # the estimator's declared refusals (an op fake tensors cannot run, named): one line
@@ -69,6 +72,18 @@ class PredictionCallback(L.Callback):
         }
         if est.reserved_bytes is not None:  # a CUDA run: the caching allocator's reserve, replayed
             self.predicted[M.PREDICTED_PEAK_RESERVED_KEY] = est.reserved_bytes / MIB
+        self._log(trainer, 0)
+
+    def _predict_rank(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """This pipeline rank's steady-state step, as `python -m trainer.estimate` estimates each rank: its
+        activations (the micro-batches in flight), and its total (parameters, AdamW's two states, the step's peak)."""
+        from trainer.estimate.pipeline import estimate_pipeline_rank, rank_total
+
+        figures = estimate_pipeline_rank(self.config, pl_module.pipeline, trainer.global_rank)
+        self.predicted = {
+            M.PREDICTED_ACTIVATION_PEAK_KEY: figures.activations / MIB,
+            M.PREDICTED_PEAK_TOTAL_KEY: rank_total(figures) / MIB,
+        }
         self._log(trainer, 0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

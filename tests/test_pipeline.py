@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import SMALL, run_cli
 from trainer.errors import ConfigError
 from trainer.interpreter import lean_exit
 
@@ -331,8 +332,8 @@ def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
         (["trainer.pipeline_schedule=zero_bubble"], "choose one of gpipe, 1f1b, interleaved_1f1b"),
         (["trainer.devices=4"], "set trainer.devices=2"),
         (["model=tiny"], "set model.tie_embeddings=false"),
-        (["trainer=fsdp2"], "not estimated yet; use trainer=ddp"),
-        (["trainer=fsdp"], "trainer.strategy=fsdp or tensor parallelism is not estimated yet"),
+        (["trainer=fsdp2"], "not run or estimated yet; use trainer=ddp"),
+        (["trainer=fsdp"], "trainer.strategy=fsdp or tensor parallelism is not run or estimated yet"),
         (["trainer.num_nodes=2"], "set trainer.devices=2 trainer.num_nodes=1"),
         (["--autocast-cache"], "--autocast-cache does not take pipeline stages yet"),
         (["trainer.compile=true"], "drop trainer.compile"),
@@ -355,19 +356,116 @@ def test_a_pipeline_the_estimate_cannot_take_is_one_line(
     assert captured.out == "" and captured.err.count("\n") == 1 and says in captured.err, captured.err
 
 
-def test_a_run_or_a_check_of_pipeline_stages_refuses_and_names_the_estimate() -> None:
-    """train.py and trainer.check settle a configuration through `resolve`: stages are estimated, not yet trained."""
-    from trainer.core.resolve import resolve
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["model.n_layer=3"], "stages cannot split model.n_layer=3 evenly"),
+        (["accum=1"], "needs at least 2 micro-batches a step; accum=1 gives 1: set accum=2 or more"),
+        (["trainer.devices=4"], "runs one stage's rank per device: set trainer.devices=2"),
+        (["precision=bf16-mixed"], "runs in fp32 only yet, not precision=bf16-mixed: set precision=32-true"),
+        (["trainer.pipeline_schedule=zb"], "trainer.pipeline_schedule=zb: choose one of"),
+    ],
+)
+def test_a_pipeline_run_that_cannot_be_made_is_one_line_and_writes_nothing(
+    tmp_path: Path, overrides: list[str], says: str
+) -> None:
+    """train.py settles a configuration through the same refusals as the estimate, before any data is read."""
+    from trainer.core.run import train
     from trainer.core.schema import compose_config
 
-    with pytest.raises(ConfigError, match="not yet trained: python -m trainer.estimate"):
-        resolve(compose_config(CONFIGURED))
-    # first, before what the estimate itself would refuse (following that would not make the run possible)
-    with pytest.raises(ConfigError, match="not yet trained"):
-        resolve(compose_config([*CONFIGURED, "trainer=fsdp2"]))
-    with pytest.raises(ConfigError, match="trainer.pipeline_schedule=zb: choose one of"):  # a typo, even unused
-        resolve(compose_config(["trainer.pipeline_schedule=zb"]))
-    assert resolve(compose_config(CONFIGURED), "cpu", estimate=True).world == 1
+    run_dir = tmp_path / "run"
+    base = [o for o in CONFIGURED if not o.startswith("policy")]
+    with pytest.raises(ConfigError, match=says) as e:
+        train(compose_config([*base, "policy=full", *overrides]), run_dir)
+    assert "\n" not in str(e.value) and not run_dir.exists()
+
+
+# train.py over 2 pipeline ranks: GPT (micro) in 2 stages of one layer, 1F1B over 2 micro-batches a step
+TRAINED = [
+    *SMALL,
+    "model.tie_embeddings=false",
+    "batch_size=2",
+    "accum=2",
+    "precision=32-true",
+    "trainer.val_every_n_steps=2",
+    "measure.warmup_steps=1",
+    "measure.activation_every_n_steps=2",
+]
+STAGES = ["trainer.devices=2", "trainer.pipeline_parallel=2"]
+
+
+def _step_losses(run_dir: Path) -> dict[int, float]:
+    from tests.test_reliability import step_losses
+
+    return step_losses(run_dir)
+
+
+@pytest.mark.slow
+def test_train_py_trains_pipeline_stages_as_one_process_and_predicts_each_rank(tmp_path: Path) -> None:
+    """Dropout off, `python train.py ... trainer.pipeline_parallel=2` (1F1B on 2 gloo processes) trains as one
+    process does over the same batches: each step's loss and the validation loss equal to float rounding (the
+    schedule sums the micro-batches' gradients and scales once, Lightning scales each). Each rank's activation peak,
+    measured on its tracked step, is its own prediction (the estimate of its stages at fit start) to the byte; its
+    whole-step peak is above the prediction's total, which leaves out the optimizer step's own temporaries, by less
+    than 1 %. The checkpoint is the whole model, under the one process's own keys."""
+    common = [*TRAINED, "model.dropout=0.0", "trainer.max_steps=2"]
+    one, staged = tmp_path / "one", tmp_path / "staged"
+    r = run_cli(*common, f"hydra.run.dir={one}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli(*common, *STAGES, "measure.predict=true", f"hydra.run.dir={staged}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    want, got = _step_losses(one), _step_losses(staged)
+    assert sorted(got) == sorted(want) == [1, 2]
+    assert all(abs(got[s] - want[s]) <= 1e-6 * want[s] for s in want), (got, want)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, staged))
+    assert abs(b["final_val_loss"] - a["final_val_loss"]) <= 1e-6 * a["final_val_loss"]
+    assert b["world_size"] == 2 and b["model"]["n_layer"] == a["model"]["n_layer"] == 2
+    for rank in b["per_rank"]:
+        assert rank["activation_peak_mib"] == rank["predicted_activation_peak_mib"] > 0, rank
+    assert b["activation_peak_error"] == 0.0 and -0.01 < b["peak_total_error"] <= 0.0, b
+    whole = torch.load(staged / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    mine = torch.load(one / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert sorted(whole) == sorted(mine)
+
+
+@pytest.mark.slow
+def test_trainer_check_compares_a_policy_on_stages_and_the_stages_with_one_process() -> None:
+    """`python -m trainer.check` on 2 pipeline ranks (1F1B over 3 micro-batches, dropout on): `full` against `none`,
+    both cut into stages as the run cuts them, bit for bit; and `none` in stages against one process, dropout off,
+    within the layout tolerance and not bit for bit (a 3-way mean scales in another order)."""
+    from trainer.check.compare import LAYOUT_TOLERANCE, run_check
+    from trainer.core.schema import compose_config
+
+    config = compose_config([*TRAINED, *STAGES, "accum=3", "model.dropout=0.1", "policy=full"])
+    result = run_check(config, steps=2)
+    assert result.equal and result.exact and result.policy == "full", result.first_failure
+    assert sum(d.params for d in result.groups.values()) == 29  # micro's every tensor, from both ranks
+    assert result.layout is not None and result.layout.equal
+    assert 0 < max(d.max_rel for d in result.layout.groups.values()) < LAYOUT_TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_resumes_exactly_with_each_ranks_dropout(tmp_path: Path) -> None:
+    """Dropout on (each rank draws its own stages' masks), 4 steps with a checkpoint every 2; resumed from the
+    step-2 checkpoint in a new folder, the last 2 steps' losses and the final weights are the uninterrupted run's
+    exactly: each rank's stages, AdamW state, RNG and the data's position come back. One process resuming it is
+    refused in one line."""
+    common = [*TRAINED, *STAGES, "model.dropout=0.1", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = run_cli(*common, f"hydra.run.dir={straight}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli(*common, f"ckpt_path={straight / 'checkpoints' / 'step000002.ckpt'}", f"hydra.run.dir={resumed}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    want, got = _step_losses(straight), _step_losses(resumed)
+    assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
+    a, b = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for d in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # one process cannot take the stages' RNG and optimizer state as they are: one line, no folder
+    elsewhere = tmp_path / "one"
+    r = run_cli(*TRAINED, f"ckpt_path={straight / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={elsewhere}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "resume it with the same trainer.pipeline_parallel" in lines[0]
+    assert not elsewhere.exists()
 
 
 def test_the_ranks_together_run_the_flops_of_one_process() -> None:

@@ -167,8 +167,10 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     policy = build_policy(config.policy)
     if config.model.family != "hf" or policy.caps.planned_first:  # refused before any data is read
         policy.check(config.model.n_layer or 0, config.model.attention)  # (a planner's budget needs no depth)
-    if facts.tensor_parallel > 1 and facts.device != "cpu":
-        raise ConfigError("trainer.check splits a layer over gloo processes on the CPU; add trainer.accelerator=cpu")
+    stages = config.trainer.pipeline_parallel > 1
+    if (facts.tensor_parallel > 1 or stages) and facts.device != "cpu":
+        split = "cuts the model into stages" if stages else "splits a layer"
+        raise ConfigError(f"trainer.check {split} over gloo processes on the CPU; add trainer.accelerator=cpu")
     if facts.tensor_parallel > 1 and policy.caps.planned_first:
         raise ConfigError(
             "trainer.check with trainer.tensor_parallel plans nothing first: check the plan's treatments by name "
@@ -177,12 +179,15 @@ def run_check(config: Any, steps: int = 2, tolerance: float | None = None) -> Ch
     hf_config = facts.hf_config
     data = build.data_module(config)
     loader = data.train_dataloader()
-    if steps * config.accum > len(loader):
+    per_step = 1 if stages else config.accum  # stages take a step's micro-batches as one batch
+    if steps * per_step > len(loader):
         raise ConfigError(
             f"--steps {steps} × accum={config.accum} needs {steps * config.accum} micro-batches and the corpus has "
-            f"{len(loader)}; lower --steps (or accum), or give a larger corpus"
+            f"{len(loader) * config.accum // per_step}; lower --steps (or accum), or give a larger corpus"
         )
-    batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * config.accum), strict=False)]
+    batches = [tuple(t.to(device) for t in b) for b, _ in zip(loader, range(steps * per_step), strict=False)]
+    if stages:
+        return _stage_check(config, policy, build.vocab(config, data), batches, steps, tolerance)
     if facts.tensor_parallel > 1:
         return _split_check(config, policy, facts, build.vocab(config, data), batches, steps, tolerance)
     step_precision = precision_.lightning_precision(chosen, config.trainer)
@@ -322,6 +327,133 @@ def _split_rank(
         dist.destroy_process_group()
 
 
+def _stage_check(config: Any, policy: Any, vocab: int, batches: list[Any], steps: int, tolerance: float) -> CheckResult:
+    """The check on pipeline stages: trainer.pipeline_parallel gloo processes on this CPU, each building both modules'
+    stages as a rank of the run builds them; rank 0's result, over the whole model's gradients gathered there."""
+    import pickle
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    ranks = config.trainer.pipeline_parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_stage_rank, args=(ranks, tmp, config, policy.cfg, vocab, batches, steps, tolerance), nprocs=ranks)
+        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
+
+
+def _stage_rank(
+    rank: int,
+    ranks: int,
+    tmp: str,
+    config: Any,
+    policy_cfg: Any,
+    vocab: int,
+    batches: list[Any],
+    steps: int,
+    tolerance: float,
+) -> None:
+    """One pipeline rank: `steps` steps of none's stages and the policy's, each on the step's whole batch from the
+    same RNG, then the optimizer step as the run takes it; every rank's gradients (the whole model's names) go to
+    rank 0, which compares them, and compares none's with one process's (dropout off: each rank draws its own
+    stages' masks, one process draws them all in turn)."""
+    lean_exit()
+    import pickle
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.core import build
+    from trainer.core.schema import Config
+    from trainer.parallel.pipeline import clip_grad_norm
+    from trainer.policies import build_policy
+
+    _set_num_threads_if_needed(num_processes=ranks)  # as the run's ranks (trainer/core/run.py: even_threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=ranks)
+    try:
+        mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pipeline_parallel",))
+        policy = build_policy(policy_cfg)
+
+        def build_one(p: Any, cfg: Config = config, dropout: bool = True) -> Any:
+            torch.manual_seed(config.seed)
+            m = build.module(cfg, p, vocab_size=vocab, precision="32-true")
+            m.train()
+            for d in (d for d in m.modules() if isinstance(d, torch.nn.Dropout) and not dropout):
+                d.p = 0.0
+            if cfg.trainer.pipeline_parallel > 1:
+                m._device_mesh = mesh
+                m.configure_model()
+            return m
+
+        def run(modules: list[Any]) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
+            """Each module's gradients (before clipping) and loss at every step, in step order."""
+            parts = {m: step_.optimizers_of(m) for m in modules}
+            grads: list[dict[str, torch.Tensor]] = []
+            losses: list[list[float]] = []
+            rng = torch.Generator().manual_seed(config.seed)
+            for s in range(steps):
+                seed = int(torch.randint(0, 2**31 - 1, (), generator=rng))
+                losses.append([])
+                for m in modules:
+                    opt, sched = parts[m]
+                    torch.manual_seed(seed)
+                    losses[-1].append(float(m._run(batches[s], backward=True)))
+                    grads.append(m.whole_grads())
+                    clip_grad_norm(list(m.parameters()), config.trainer.grad_clip, m.group)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sched.step()
+            return grads, losses
+
+        ref, mod = build_one("none"), build_one(policy)
+        grads, losses = run([ref, mod])
+        plain, plain_losses = run([build_one("none", dropout=False)])
+        gathered: list[Any] = [None] * ranks if rank == 0 else []
+        dist.gather_object((grads, plain), gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            return
+        whole = [{k: v for part in gathered for k, v in part[0][i].items()} for i in range(2 * steps)]
+        names = list(whole[0])
+        short = [n.removeprefix("model.") for n in names]  # the model's own names, as one process has them
+        out = CheckResult(policy.cfg.name, mod.plan_described(), steps, tolerance, tolerance == 0.0)
+        for s in range(steps):
+            pair = {k: [whole[2 * s + k][n] for n in names] for k in (0, 1)}
+            compare_step(out, s, short, pair, (losses[s][0], losses[s][1]), tolerance)
+        # one process, none, dropout off, over the same micro-batches: what the stages' `none` must equal
+        staged = [{k: v for part in gathered for k, v in part[1][s].items()} for s in range(steps)]
+        single = replace(config, trainer=replace(config.trainer, pipeline_parallel=1, devices=1))
+        one = build_one("none", single, dropout=False)
+        opt, sched = step_.optimizers_of(one)
+        plugin = precision_.plugin("32-true", "cpu")
+        layout = CheckResult("none", one.plan_described(), steps, LAYOUT_TOLERANCE, False)
+        for s in range(steps):
+            held: dict[int, list[torch.Tensor]] = {}
+
+            def keep(held: dict[int, list[torch.Tensor]] = held) -> None:
+                held[0] = [one.model.get_parameter(n).grad.detach().clone() for n in short]
+
+            micro = list(zip(*(t.chunk(config.accum) for t in batches[s]), strict=True))
+            loss = step_.bare_step(one, micro, opt, sched, plugin, config.trainer.grad_clip, before_update=keep)
+            held[1] = [staged[s][n] for n in names]
+            compare_step(layout, s, short, held, (float(loss), plain_losses[s][0]), LAYOUT_TOLERANCE)
+        layout.setting = (
+            "none in stages against none in one process, dropout off (the schedule sums the micro-batches' gradients, "
+            "then scales them; one process scales each)"
+        )
+        out.layout = layout
+        out.setting = (
+            f"precision fp32, both cut into {config.trainer.pipeline_parallel} stages under "
+            f"{config.trainer.pipeline_schedule} (gloo processes on this CPU) as the run cuts them"
+        )
+        if out.first_failure is None and layout.first_failure is not None:
+            out.first_failure = f"stages against one process: {layout.first_failure}"
+        (Path(tmp) / "result.pkl").write_bytes(pickle.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
 def _compare(
     config: Any,
     policy: Any,
@@ -398,10 +530,13 @@ def render(result: CheckResult) -> str:
     if result.layout is not None:
         worst = max((d.max_rel for d in result.layout.groups.values()), default=0.0)
         loss = max((abs(a - b) for a, b in result.layout.losses), default=0.0)
-        lines.append(
-            f"none split against none in one process, unsplit, dropout off: max relative Δgrad {worst:.3g}, max "
-            f"|Δloss| {loss:.3g} (within {result.layout.tolerance:g} relative: a row-split projection sums across the "
+        what = result.layout.setting or (
+            "none split against none in one process, unsplit, dropout off (a row-split projection sums across the "
             "ranks)"
+        )
+        lines.append(
+            f"{what}: max relative Δgrad {worst:.3g}, max |Δloss| {loss:.3g} (within {result.layout.tolerance:g} "
+            "relative)"
         )
     if result.equal:
         lines.append(f"equal: every loss and gradient under {result.policy} matches none ({how})")

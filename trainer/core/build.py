@@ -18,34 +18,54 @@ from typing import Any
 from trainer import precision as precision_
 from trainer.core.data import TextDataModule
 from trainer.core.module import DecoderModule
-from trainer.core.resolve import Resolved, hf_config, resolve, train_device
+from trainer.core.resolve import Resolved, hf_config, pipeline_parallel, resolve, train_device
 from trainer.core.schema import Config, model_vocab, vocab_for
 from trainer.loss import LossConfig
 from trainer.policies import Policy
 
-__all__ = ["Resolved", "data_module", "data_parallel_ranks", "hf_config", "module", "resolve", "train_device", "vocab"]
+__all__ = [
+    "Resolved",
+    "data_module",
+    "data_parallel_ranks",
+    "hf_config",
+    "loader_batches",
+    "module",
+    "resolve",
+    "train_device",
+    "vocab",
+]
 
 
 def data_module(config: Config) -> TextDataModule:
     """The run's DataModule, its corpus tokenized (cached) and split: `vocab_size` is the tokenizer's."""
+    batch, val_batches = loader_batches(config)
     data = TextDataModule(
         config.data,
         seq_len=config.seq_len,
-        batch_size=config.batch_size,
+        batch_size=batch,
         seed=config.seed,
         tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
-        val_blocks=config.trainer.val_batches * config.batch_size * data_parallel_ranks(config),
+        val_blocks=val_batches * batch * data_parallel_ranks(config),
     )
     data.prepare_data()
     data.setup("fit")
     return data
 
 
+def loader_batches(config: Config) -> tuple[int, int]:
+    """The loaders' batch size and the batches a validation reads. Pipeline stages take a step's micro-batches as
+    one batch (the schedule splits it), so their validation reads trainer.val_batches micro-batches' rows in batches
+    of `accum` (rounded up to whole batches): the same rows, and the same mean loss, as one process reads."""
+    if config.trainer.pipeline_parallel == 1:
+        return config.batch_size, config.trainer.val_batches
+    return config.batch_size * config.accum, -(-config.trainer.val_batches // config.accum)
+
+
 def data_parallel_ranks(config: Config) -> int:
-    """The ranks that read different blocks (a tensor-parallel group reads the same ones)."""
+    """The ranks that read different blocks (a tensor-parallel group, and a pipeline's stages, read the same ones)."""
     t = config.trainer
     devices = t.devices if isinstance(t.devices, int) and t.devices > 0 else 1
-    return max(1, devices * t.num_nodes // max(1, t.tensor_parallel))
+    return max(1, devices * t.num_nodes // max(1, t.tensor_parallel * t.pipeline_parallel))
 
 
 def vocab(config: Config, data: TextDataModule | None = None) -> int:
@@ -67,16 +87,21 @@ def module(
     (`loss`: another than the configured one), AdamW and its schedule. Initialised by the caller's torch RNG.
     `precision`: the settled precision (default config.precision, settled by a run's preflight), which decides
     FSDP2's mixed-precision policy when the module is sharded."""
-    m = DecoderModule(
-        config.model,
-        policy,
-        config.optim,
+    args = (config.model, policy, config.optim)
+    kwargs: dict[str, Any] = dict(
         max_steps=config.trainer.max_steps,
         compile=config.trainer.compile,
         loss=loss or config.loss,
         vocab_size=vocab_size if vocab_size is not None else model_vocab(config),
         hf_config=hf_config,
     )
+    pipeline = pipeline_parallel(config)
+    if pipeline is not None:  # the rank's stages, cut at configure_model
+        from trainer.core.stages import PipelineModule
+
+        micro = (config.batch_size, config.seq_len)
+        return PipelineModule(*args, pipeline=pipeline, micro_batch=micro, grad_clip=config.trainer.grad_clip, **kwargs)
+    m = DecoderModule(*args, **kwargs)
     m.fsdp_param_dtype = precision_.fsdp2_param_dtype(precision or config.precision, config.trainer)
     t = config.trainer
     m.sequence_parallel, m.loss_parallel = t.sequence_parallel, t.loss_parallel

@@ -134,6 +134,18 @@ class DecoderModule(L.LightningModule):
     def adapter(self) -> DecoderAdapter:
         return adapter_for(self.model)
 
+    def trained(self) -> nn.Module:
+        """What the optimizer steps: the model (a pipeline rank: its stages)."""
+        return self.model
+
+    def plan_described(self) -> str:
+        """The installed plan, for the summary and the log."""
+        return self.model.activation_plan.describe()
+
+    def model_described(self) -> dict[str, Any]:
+        """The model's shape, for the summary and TensorBoard's HParams."""
+        return self.adapter.describe()
+
     def configure_model(self) -> None:
         # Lightning's ModelParallelStrategy hands us a device mesh: tensor parallelism on its tensor-parallel
         # dimension, then FSDP2 on its data-parallel one, each decoder layer, then the root (torchtitan's order). The
@@ -240,7 +252,7 @@ class DecoderModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim
         opt = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay),
+            param_groups(self.trained(), o.weight_decay),
             lr=o.lr,
             betas=tuple(o.betas),
             eps=o.eps,

@@ -109,8 +109,8 @@ def tensor_parallel(config: Config) -> int:
 
 
 def pipeline_parallel(config: Config) -> PipelineLayout | None:
-    """trainer.pipeline_parallel's layout (None without stages), its refusals first: what the estimate of a pipeline
-    rank does not cover yet is refused in one line, not estimated as something else."""
+    """trainer.pipeline_parallel's layout (None without stages), its refusals first: what a pipeline run and its
+    estimate do not cover yet is refused in one line, not run or estimated as something else."""
     t = config.trainer
     if t.pipeline_parallel == 1:
         if t.pipeline_virtual > 1:
@@ -128,15 +128,16 @@ def pipeline_parallel(config: Config) -> PipelineLayout | None:
         )
     if t.strategy not in ("auto", "ddp") or t.tensor_parallel > 1:
         raise ConfigError(
-            f"{what} with trainer.strategy={t.strategy} or tensor parallelism is not estimated yet; use trainer=ddp"
+            f"{what} with trainer.strategy={t.strategy} or tensor parallelism is not run or estimated yet; "
+            "use trainer=ddp"
         )
     if t.devices != degree or t.num_nodes != 1:
         raise ConfigError(f"{what} runs one stage's rank per device: set trainer.devices={degree} trainer.num_nodes=1")
     policy = build_policy(config.policy)
     if t.compile or policy.caps.requires_compile or policy.caps.planned_first:
         raise ConfigError(
-            f"{what} is estimated eager, with a policy the eager step runs (not auto or memory_budget; a per-block "
-            "plan names the whole model's blocks): drop trainer.compile and choose another policy"
+            f"{what} runs and is estimated eager, with a policy the eager step runs (not auto or memory_budget; a "
+            "per-block plan names the whole model's blocks): drop trainer.compile and choose another policy"
         )
     return layout(degree, t.pipeline_schedule, t.pipeline_virtual, config.accum, config.model.n_layer)
 
@@ -157,6 +158,13 @@ def settle_precision(config: Config, device: str, *, estimate: bool = False) -> 
     strategy cannot run is refused here, in one line naming the fix. `estimate`: for a CUDA estimate on a machine
     with no CUDA device to ask, auto is bf16-mixed (a GPU with bf16, Ampere or newer, is assumed)."""
     requested = config.precision
+    if config.trainer.pipeline_parallel > 1:  # the stages' estimate, and so their run, is fp32's alone yet
+        if requested == "auto":
+            return "32-true", "precision=auto → 32-true: pipeline stages run in fp32 only yet"
+        if requested != "32-true" and not estimate:  # the estimate says it in its own words
+            raise ConfigError(
+                f"trainer.pipeline_parallel runs in fp32 only yet, not precision={requested}: set precision=32-true"
+            )
     if device == "cuda" and not torch.cuda.is_available():
         chosen = "bf16-mixed" if requested == "auto" else requested
         why = (
@@ -187,12 +195,6 @@ def resolve(config: Config, device: str | None = None, *, estimate: bool = False
     device = device or train_device(config)
     chosen, why = settle_precision(config, device, estimate=estimate)
     world, tp = sharded_world(config), tensor_parallel(config)
-    # before the estimator's own refusals: following them would not make a run of stages possible
-    if config.trainer.pipeline_parallel > 1 and not estimate:
-        raise ConfigError(
-            f"trainer.pipeline_parallel={config.trainer.pipeline_parallel} is estimated per rank, not yet trained: "
-            "python -m trainer.estimate with the same overrides prints each rank's peaks"
-        )
     pipeline_parallel(config)
     policy = build_policy(config.policy)
     if policy.caps.planned_first and config.trainer.compile and world * tp > 1:  # else refused at fit start, per rank

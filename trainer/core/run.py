@@ -76,7 +76,8 @@ def preflight(cfg: Config, run_dir: Path) -> tuple[build.Resolved, Path | None]:
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
     probe_trainer(cfg)
-    return facts, checkpoint_file(cfg.ckpt_path, run_dir) if cfg.ckpt_path is not None else None
+    resume = checkpoint_file(cfg.ckpt_path, run_dir, cfg.trainer.pipeline_parallel) if cfg.ckpt_path else None
+    return facts, resume
 
 
 def probe_trainer(cfg: Config) -> None:
@@ -102,8 +103,9 @@ def probe_trainer(cfg: Config) -> None:
         raise ConfigError(f"trainer: Lightning refuses it: {reason}; see conf/trainer/ for the options") from None
 
 
-def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
-    """Resolve `ckpt_path` and prove it is a Lightning checkpoint that loads with weights_only, in one line."""
+def checkpoint_file(ckpt_path: str, run_dir: Path, pipeline_ranks: int = 1) -> Path:
+    """Resolve `ckpt_path` and prove it is a Lightning checkpoint that loads with weights_only, written by the layout
+    that resumes it (pipeline stages write the whole model's names and each rank's RNG), in one line."""
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     if not path.is_file():
         hint = (
@@ -118,6 +120,12 @@ def checkpoint_file(ckpt_path: str, run_dir: Path) -> Path:
         raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a readable checkpoint ({one_line(e, 160)})") from None
     if not isinstance(state, dict) or "state_dict" not in state or "optimizer_states" not in state:
         raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a Lightning training checkpoint of this project")
+    written = len((state.get("rng_state") or {}).get("ranks") or [None])  # stages keep one RNG state a rank
+    if written != pipeline_ranks:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path}: {path} was written with trainer.pipeline_parallel={written}; resume it with the "
+            "same trainer.pipeline_parallel (each rank's RNG and optimizer state are kept for that layout)"
+        )
     return path
 
 
@@ -150,8 +158,12 @@ def _data_segment_bytes() -> int:
 
 
 def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any:
-    """Config names → Lightning strategies; the two FSDP flavours need objects, not strings."""
+    """Config names → Lightning strategies; the two FSDP flavours and pipeline stages need objects, not strings."""
     name = t.strategy
+    if t.pipeline_parallel > 1:
+        from trainer.core.stages import PipelineStrategy
+
+        return PipelineStrategy(t.pipeline_parallel)
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -256,21 +268,27 @@ class Run:
         self.logger = JobTensorBoardLogger(run_dir)
         write_tb_layout(self.logger.experiment, build.train_device(config))  # Custom Scalars for this device
         even_threads(t)
+        # Pipeline stages take a step's micro-batches as one batch and step under manual optimization (the schedule
+        # runs the backward): no accumulation or clipping by Lightning, the module clips.
+        batches_a_step = 1 if t.pipeline_parallel > 1 else config.accum
+        _, val_batches = build.loader_batches(config)
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
-            accumulate_grad_batches=config.accum,
+            accumulate_grad_batches=batches_a_step,
             # FSDP2's mixed-precision policy casts for itself: Lightning then runs without autocast
             precision=precision.lightning_precision(config.precision, t),
-            gradient_clip_val=t.grad_clip or None,
-            # Lightning counts validation intervals in micro-batches; the config speaks optimizer steps.
-            val_check_interval=t.val_every_n_steps * config.accum,
+            gradient_clip_val=(t.grad_clip or None) if t.pipeline_parallel == 1 else None,
+            # Lightning counts validation intervals in batches; the config speaks optimizer steps.
+            val_check_interval=t.val_every_n_steps * batches_a_step,
             check_val_every_n_epoch=None,
-            limit_val_batches=t.val_batches,
+            limit_val_batches=val_batches,
             num_sanity_val_steps=0,
             log_every_n_steps=1,
             accelerator=t.accelerator,
             devices=t.devices,
             strategy=lightning_strategy(t, type(module.adapter.layers[0])),
+            # Every stage reads the whole batch: the loaders stay as they are, their resumable sampler unwrapped
+            use_distributed_sampler=t.pipeline_parallel == 1,
             num_nodes=t.num_nodes,
             logger=self.logger,
             callbacks=callbacks,
@@ -296,7 +314,7 @@ class Run:
             config.model.name,
             module.adapter.attention,
             module.policy.cfg.name,
-            "chosen at fit start" if module.policy.caps.planned_first else module.model.activation_plan.describe(),
+            "chosen at fit start" if module.policy.caps.planned_first else module.plan_described(),
             config.loss.name,
             precision.describe(config.precision, config.trainer),
             f"{module.adapter.num_parameters():,}",
@@ -353,7 +371,7 @@ class Run:
         return {
             "policy": m.policy.cfg.name,
             "policy_params": policy_params(m.policy),
-            "plan": m.model.activation_plan.describe(),
+            "plan": m.plan_described(),
             "loss": asdict(c.loss),
             "accum": c.accum,
             "precision": c.precision,
@@ -361,7 +379,7 @@ class Run:
             "seq_len": c.seq_len,
             "tokens_per_step": c.tokens_per_step,
             "seed": c.seed,
-            "model": {"name": c.model.name, **m.adapter.describe()},
+            "model": {"name": c.model.name, **m.model_described()},
             "data": {
                 "source": c.data.source,
                 "tokenizer": c.data.tokenizer,
@@ -403,7 +421,7 @@ class Run:
         """summary.json and the HParams entry, once (rank 0)."""
         if self.trainer.is_global_zero:
             write_json_atomic(self.run_dir / "summary.json", summary)
-            model = self.module.adapter.describe()
+            model = self.module.model_described()
             self.logger.log_hyperparams(hparams(self.config, summary["status"], model), metrics=hparam_metrics(summary))
             self.logger.finalize("success" if summary["status"] == "completed" else "failed")
         return summary

@@ -131,7 +131,7 @@ class TrainerConfig:
     loss_parallel: bool = True
     # Pipeline stages (torch.distributed.pipelining): the layers cut into this many consecutive stages, one a device
     # (pipeline_virtual a device under interleaved_1f1b), pipeline_schedule running `accum` micro-batches a step.
-    # Estimated per rank (python -m trainer.estimate); not yet trained by train.py.
+    # Trained by train.py (trainer/core/stages.py), estimated per rank (python -m trainer.estimate).
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | gpipe
     pipeline_virtual: int = 1
