@@ -149,6 +149,22 @@ def test_other_seed_other_split_and_order(tmp_path: Path) -> None:
     assert not torch.equal(first_batches(a)[0], first_batches(b)[0])
 
 
+def test_data_parallel_ranks_take_disjoint_shares_of_one_order_and_resume_within_them() -> None:
+    """Rank r of w takes every w-th block of the one-process order (cut to a multiple of w), so the ranks' shares are
+    disjoint, equal and together that order; one rank alone is the one-process order itself; and a resume skips
+    within the rank's own share."""
+    from trainer.core.data import ResumableRandomSampler
+
+    whole = list(ResumableRandomSampler(11, seed=5))
+    assert sorted(whole) == list(range(11))
+    shares = [list(ResumableRandomSampler(11, 5, rank, 2)) for rank in range(2)]
+    assert [len(x) for x in shares] == [5, 5] and not set(shares[0]) & set(shares[1])
+    assert [i for pair in zip(*shares, strict=True) for i in pair] == whole[:10]
+    resumed = ResumableRandomSampler(11, 5, 1, 2)
+    resumed.resume_at(0, 3)
+    assert list(resumed) == shares[1][3:]
+
+
 def test_split_fraction_and_determinism(tmp_path: Path) -> None:
     dm = make_dm(tmp_path, val_fraction=0.1, seed=3)
     source = Source(dm.cfg)

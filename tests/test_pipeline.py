@@ -445,12 +445,13 @@ def test_trainer_check_compares_a_policy_on_stages_and_the_stages_with_one_proce
 
 
 @pytest.mark.slow
-def test_a_pipeline_run_resumes_exactly_with_each_ranks_dropout(tmp_path: Path) -> None:
-    """Dropout on (each rank draws its own stages' masks), 4 steps with a checkpoint every 2; resumed from the
+@pytest.mark.parametrize("layout", [STAGES, ["trainer=ddp", "trainer.devices=2"]], ids=["stages", "ddp"])
+def test_a_run_of_two_ranks_resumes_exactly_with_each_ranks_dropout(tmp_path: Path, layout: list[str]) -> None:
+    """Dropout on (a pipeline rank draws its own stages' masks), 4 steps with a checkpoint every 2; resumed from the
     step-2 checkpoint in a new folder, the last 2 steps' losses and the final weights are the uninterrupted run's
-    exactly: each rank's stages, AdamW state, RNG and the data's position come back. One process resuming it is
-    refused in one line."""
-    common = [*TRAINED, *STAGES, "model.dropout=0.1", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2"]
+    exactly: each rank's stages (or replica), AdamW state, RNG and the data's position come back (data-parallel
+    ranks each within their own share). One process resuming it is refused in one line (stages)."""
+    common = [*TRAINED, *layout, "model.dropout=0.1", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = run_cli(*common, f"hydra.run.dir={straight}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -460,6 +461,8 @@ def test_a_pipeline_run_resumes_exactly_with_each_ranks_dropout(tmp_path: Path) 
     assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
     a, b = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for d in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if layout != STAGES:
+        return
     # one process cannot take the stages' RNG and optimizer state as they are: one line, no folder
     elsewhere = tmp_path / "one"
     r = run_cli(*TRAINED, f"ckpt_path={straight / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={elsewhere}")

@@ -44,7 +44,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.core.corpus import FORMATS, Source, embedded_docs, split
 from trainer.core.schema import DataConfig  # the `data` node of the config schema
@@ -159,15 +159,20 @@ def _progress(total: int | None, desc: str) -> Any:
 
 
 class ResumableRandomSampler(Sampler[int]):
-    """A fresh seeded permutation each epoch, a pure function of (seed, epoch), so any position can be replayed.
+    """A fresh seeded permutation each epoch, a pure function of (seed, epoch), so any position can be replayed;
+    data-parallel rank `rank` of `world` takes every world-th block of it (the permutation cut to a multiple of
+    `world`, so every rank takes as many), as torch's DistributedSampler shards with drop_last.
 
     Lightning calls `set_epoch` at every epoch start. `resume_at(epoch, samples)` makes the next pass over that
-    epoch skip the samples a killed run had already trained on.
+    epoch skip the samples a killed run had already trained on (this rank's). Why not Lightning's distributed
+    sampler: it wraps this one and shuffles its order again, so the skip would land nowhere and a resumed run of
+    several ranks would start its epoch over.
     """
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1) -> None:
         self.n = n
         self.seed = seed
+        self.rank, self.world = rank, world
         self.epoch = 0
         self._resume: tuple[int, int] | None = None
 
@@ -178,11 +183,13 @@ class ResumableRandomSampler(Sampler[int]):
         self._resume = (epoch, samples)
 
     def __len__(self) -> int:
-        return self.n
+        return self.n // self.world
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.n, generator=g)
+        if self.world > 1:
+            order = order[: len(self) * self.world][self.rank :: self.world]
         skip = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             skip, self._resume = self._resume[1], None
@@ -658,10 +665,15 @@ class TextDataModule(L.LightningDataModule):
             kwargs = self._loader_kwargs() | {"persistent_workers": False}
             return StreamLoader(stream, position=self._train_position, **kwargs)
         # The order is a function of the seed and the epoch alone, so a resumed run sees the same batches.
-        sampler = ResumableRandomSampler(len(self._train), self.seed)  # type: ignore[arg-type]
+        sampler = ResumableRandomSampler(len(self._train), self.seed, *self._rank())  # type: ignore[arg-type]
         return ResumableDataLoader(self._train, sampler=sampler, position=self._train_position, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._val is not None
-        return DataLoader(self._val, shuffle=False, **self._loader_kwargs())
+        rank, world = self._rank()
+        if world == 1:
+            return DataLoader(self._val, shuffle=False, **self._loader_kwargs())
+        # Each data-parallel rank its share, in order, as Lightning's own distributed sampler shards validation
+        sampler = DistributedSampler(self._val, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self._val, sampler=sampler, **self._loader_kwargs())

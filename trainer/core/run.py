@@ -287,8 +287,9 @@ class Run:
             accelerator=t.accelerator,
             devices=t.devices,
             strategy=lightning_strategy(t, type(module.adapter.layers[0])),
-            # Every stage reads the whole batch: the loaders stay as they are, their resumable sampler unwrapped
-            use_distributed_sampler=t.pipeline_parallel == 1,
+            # The DataModule shards by data-parallel rank itself (trainer/core/data.py: ResumableRandomSampler), so
+            # a resumed run of several ranks skips what it trained on; a pipeline's stages read the same rows.
+            use_distributed_sampler=False,
             num_nodes=t.num_nodes,
             logger=self.logger,
             callbacks=callbacks,
