@@ -79,7 +79,7 @@ class PredictionCallback(L.Callback):
         activations (the micro-batches in flight), and its total (parameters, AdamW's two states, the step's peak)."""
         from trainer.estimate.pipeline import estimate_pipeline_rank, rank_total
 
-        figures = estimate_pipeline_rank(self.config, pl_module.pipeline, trainer.global_rank)
+        figures = estimate_pipeline_rank(self.config, pl_module.pipeline, pl_module.pipeline_rank)
         self.predicted = {
             M.PREDICTED_ACTIVATION_PEAK_KEY: figures.activations / MIB,
             M.PREDICTED_PEAK_TOTAL_KEY: rank_total(figures) / MIB,

@@ -330,11 +330,11 @@ def test_the_first_stage_holds_what_korthikanti_says_at_gpt3_width() -> None:
         (["trainer.pipeline_virtual=2"], "only trainer.pipeline_schedule=interleaved_1f1b runs"),
         (["trainer.pipeline_schedule=interleaved_1f1b", "trainer.pipeline_virtual=2", "accum=5"], "multiple of 2"),
         (["trainer.pipeline_schedule=zero_bubble"], "choose one of gpipe, 1f1b, interleaved_1f1b"),
-        (["trainer.devices=4"], "set trainer.devices=2"),
+        (["trainer.devices=3"], "trainer.devices=3 does not split into 2 stages' ranks"),
         (["model=tiny"], "set model.tie_embeddings=false"),
         (["trainer=fsdp2"], "not run or estimated yet; use trainer=ddp"),
         (["trainer=fsdp"], "trainer.strategy=fsdp or tensor parallelism is not run or estimated yet"),
-        (["trainer.num_nodes=2"], "set trainer.devices=2 trainer.num_nodes=1"),
+        (["trainer.num_nodes=2"], "on one node yet: set trainer.num_nodes=1"),
         (["--autocast-cache"], "--autocast-cache does not take pipeline stages yet"),
         (["trainer.compile=true"], "drop trainer.compile"),
         (["policy=auto", "policy.budget_mib=10"], "not auto or memory_budget"),
@@ -361,7 +361,7 @@ def test_a_pipeline_the_estimate_cannot_take_is_one_line(
     [
         (["model.n_layer=3"], "stages cannot split model.n_layer=3 evenly"),
         (["accum=1"], "needs at least 2 micro-batches a step; accum=1 gives 1: set accum=2 or more"),
-        (["trainer.devices=4"], "runs one stage's rank per device: set trainer.devices=2"),
+        (["trainer.devices=3"], "set trainer.devices to a multiple of 2"),
         (["precision=bf16-mixed"], "runs in fp32 only yet, not precision=bf16-mixed: set precision=32-true"),
         (["trainer.pipeline_schedule=zb"], "trainer.pipeline_schedule=zb: choose one of"),
     ],
@@ -401,30 +401,37 @@ def _step_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_train_py_trains_pipeline_stages_as_one_process_and_predicts_each_rank(tmp_path: Path) -> None:
-    """Dropout off, `python train.py ... trainer.pipeline_parallel=2` (1F1B on 2 gloo processes) trains as one
-    process does over the same batches: each step's loss and the validation loss equal to float rounding (the
-    schedule sums the micro-batches' gradients and scales once, Lightning scales each). Each rank's activation peak,
-    measured on its tracked step, is its own prediction (the estimate of its stages at fit start) to the byte; its
-    whole-step peak is above the prediction's total, which leaves out the optimizer step's own temporaries, by less
-    than 1 %. The checkpoint is the whole model, under the one process's own keys."""
-    common = [*TRAINED, "model.dropout=0.0", "trainer.max_steps=2"]
-    one, staged = tmp_path / "one", tmp_path / "staged"
-    r = run_cli(*common, f"hydra.run.dir={one}")
+def test_two_pipelines_side_by_side_train_as_ddp_and_each_rank_is_its_prediction(tmp_path: Path) -> None:
+    """Dropout off, `python train.py ... trainer.devices=4 trainer.pipeline_parallel=2`: 2 stages (1F1B) × 2
+    data-parallel replicas on 4 gloo processes train as DDP over 2 ranks does over the same shards of the same
+    batches: each step's loss and the validation loss equal to float rounding (the schedule sums the micro-batches'
+    gradients and scales once, Lightning scales each; the replicas average by all-reduce, as DDP). Each rank's
+    activation peak, measured on its tracked step, is its own prediction (the estimate of its stages at fit start) to
+    the byte; its step's peak is above the prediction's total, which leaves out the optimizer step's own temporaries,
+    by less than 1 %; replicas hold equal weights. The checkpoint is the whole model, under DDP's own keys."""
+    # 4 micro-batches a step and 2 validation batches: validation reads micro-batches, not a step's batch
+    common = [*TRAINED, "model.dropout=0.0", "trainer.max_steps=2", "accum=4"]
+    ddp, staged = tmp_path / "ddp", tmp_path / "staged"
+    r = run_cli(*common, "trainer.strategy=ddp", "trainer.devices=2", f"hydra.run.dir={ddp}")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli(*common, *STAGES, "measure.predict=true", f"hydra.run.dir={staged}")
+    r = run_cli(
+        *common, "trainer.devices=4", "trainer.pipeline_parallel=2", "measure.predict=true", f"hydra.run.dir={staged}"
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    want, got = _step_losses(one), _step_losses(staged)
+    want, got = _step_losses(ddp), _step_losses(staged)
     assert sorted(got) == sorted(want) == [1, 2]
     assert all(abs(got[s] - want[s]) <= 1e-6 * want[s] for s in want), (got, want)
-    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, staged))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (ddp, staged))
     assert abs(b["final_val_loss"] - a["final_val_loss"]) <= 1e-6 * a["final_val_loss"]
-    assert b["world_size"] == 2 and b["model"]["n_layer"] == a["model"]["n_layer"] == 2
-    for rank in b["per_rank"]:
+    assert b["world_size"] == 4 and b["model"]["n_layer"] == a["model"]["n_layer"] == 2
+    ranks = b["per_rank"]
+    for rank in ranks:
         assert rank["activation_peak_mib"] == rank["predicted_activation_peak_mib"] > 0, rank
+    sums = [r["param_checksum"] for r in ranks]  # ranks 0, 1: the first stage's replicas; 2, 3: the last's
+    assert sums[0] == sums[1] != sums[2] == sums[3]
     assert b["activation_peak_error"] == 0.0 and -0.01 < b["peak_total_error"] <= 0.0, b
     whole = torch.load(staged / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    mine = torch.load(one / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    mine = torch.load(ddp / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert sorted(whole) == sorted(mine)
 
 
@@ -445,12 +452,13 @@ def test_trainer_check_compares_a_policy_on_stages_and_the_stages_with_one_proce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [STAGES, ["trainer=ddp", "trainer.devices=2"]], ids=["stages", "ddp"])
+@pytest.mark.parametrize("layout", [STAGES, ["trainer.strategy=ddp", "trainer.devices=2"]], ids=["stages", "ddp"])
 def test_a_run_of_two_ranks_resumes_exactly_with_each_ranks_dropout(tmp_path: Path, layout: list[str]) -> None:
     """Dropout on (a pipeline rank draws its own stages' masks), 4 steps with a checkpoint every 2; resumed from the
     step-2 checkpoint in a new folder, the last 2 steps' losses and the final weights are the uninterrupted run's
     exactly: each rank's stages (or replica), AdamW state, RNG and the data's position come back (data-parallel
-    ranks each within their own share). One process resuming it is refused in one line (stages)."""
+    ranks each within their own share). What cannot resume it (one process, another model, other rows a step) is
+    refused in one line (stages)."""
     common = [*TRAINED, *layout, "model.dropout=0.1", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = run_cli(*common, f"hydra.run.dir={straight}")
@@ -463,12 +471,19 @@ def test_a_run_of_two_ranks_resumes_exactly_with_each_ranks_dropout(tmp_path: Pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if layout != STAGES:
         return
-    # one process cannot take the stages' RNG and optimizer state as they are: one line, no folder
-    elsewhere = tmp_path / "one"
-    r = run_cli(*TRAINED, f"ckpt_path={straight / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={elsewhere}")
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert r.returncode == 2 and len(lines) == 1 and "resume it with the same trainer.pipeline_parallel" in lines[0]
-    assert not elsewhere.exists()
+    # what the ranks cannot resume is one line before any rank starts, no folder: one process (the stages' RNG and
+    # optimizer state), another model (a rank would miss its keys), a step of other rows (the data's position)
+    last = f"ckpt_path={straight / 'checkpoints' / 'last.ckpt'}"
+    for args, says in [
+        (TRAINED, "resume it with the same trainer.pipeline_parallel"),
+        ([*common, "model.n_layer=4"], "holds another model's weights"),
+        ([*common, "accum=4"], "was trained on batches of 4 rows, this run's have 8"),
+    ]:
+        elsewhere = tmp_path / "elsewhere"
+        r = run_cli(*args, last, f"hydra.run.dir={elsewhere}")
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr[-2000:]
+        assert not elsewhere.exists()
 
 
 def test_the_ranks_together_run_the_flops_of_one_process() -> None:

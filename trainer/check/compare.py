@@ -373,7 +373,8 @@ def _stage_rank(
     _set_num_threads_if_needed(num_processes=ranks)  # as the run's ranks (trainer/core/run.py: even_threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=ranks)
     try:
-        mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pipeline_parallel",))
+        # one pipeline: replicas of it (trainer.devices a multiple of the stages) average what each computes alike
+        mesh = init_device_mesh("cpu", (ranks, 1), mesh_dim_names=("pipeline_parallel", "data_parallel"))
         policy = build_policy(policy_cfg)
 
         def build_one(p: Any, cfg: Config = config, dropout: bool = True) -> Any:
@@ -399,7 +400,7 @@ def _stage_rank(
                 for m in modules:
                     opt, sched = parts[m]
                     torch.manual_seed(seed)
-                    losses[-1].append(float(m._run(batches[s], backward=True)))
+                    losses[-1].append(float(m._run(batches[s])))
                     grads.append(m.whole_grads())
                     clip_grad_norm(list(m.parameters()), config.trainer.grad_clip, m.group)
                     opt.step()

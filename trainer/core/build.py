@@ -28,9 +28,9 @@ __all__ = [
     "data_module",
     "data_parallel_ranks",
     "hf_config",
-    "loader_batches",
     "module",
     "resolve",
+    "train_batch",
     "train_device",
     "vocab",
 ]
@@ -38,27 +38,24 @@ __all__ = [
 
 def data_module(config: Config) -> TextDataModule:
     """The run's DataModule, its corpus tokenized (cached) and split: `vocab_size` is the tokenizer's."""
-    batch, val_batches = loader_batches(config)
     data = TextDataModule(
         config.data,
         seq_len=config.seq_len,
-        batch_size=batch,
+        batch_size=train_batch(config),
         seed=config.seed,
         tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
-        val_blocks=val_batches * batch * data_parallel_ranks(config),
+        val_blocks=config.trainer.val_batches * config.batch_size * data_parallel_ranks(config),
+        val_batch_size=config.batch_size,
     )
     data.prepare_data()
     data.setup("fit")
     return data
 
 
-def loader_batches(config: Config) -> tuple[int, int]:
-    """The loaders' batch size and the batches a validation reads. Pipeline stages take a step's micro-batches as
-    one batch (the schedule splits it), so their validation reads trainer.val_batches micro-batches' rows in batches
-    of `accum` (rounded up to whole batches): the same rows, and the same mean loss, as one process reads."""
-    if config.trainer.pipeline_parallel == 1:
-        return config.batch_size, config.trainer.val_batches
-    return config.batch_size * config.accum, -(-config.trainer.val_batches // config.accum)
+def train_batch(config: Config) -> int:
+    """The train loader's batch: a micro-batch, or under pipeline stages a step's micro-batches as one batch (the
+    schedule splits it). Validation reads micro-batches either way."""
+    return config.batch_size * (config.accum if config.trainer.pipeline_parallel > 1 else 1)
 
 
 def data_parallel_ranks(config: Config) -> int:

@@ -268,9 +268,12 @@ class TextDataModule(L.LightningDataModule):
         seed: int,
         tokenizer_from: str | None = None,
         val_blocks: int | None = None,
+        val_batch_size: int | None = None,
     ) -> None:
         """`tokenizer_from`: the hub id or folder of the model whose tokenizer `data.tokenizer=model` uses.
-        `val_blocks`: the held-out blocks a streamed corpus keeps for validation (default 8 batches)."""
+        `val_blocks`: the held-out blocks a streamed corpus keeps for validation (default 8 batches).
+        `val_batch_size`: the validation loader's batch (default `batch_size`; pipeline stages train on a step's
+        micro-batches as one batch and validate on micro-batches)."""
         super().__init__()
         if isinstance(cfg.path, str):  # a single path given programmatically
             cfg.path = [cfg.path]
@@ -280,6 +283,7 @@ class TextDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.seq_len = seq_len
         self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
         self.seed = seed
         self.val_blocks = val_blocks or 8 * batch_size
         self.cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
@@ -672,8 +676,9 @@ class TextDataModule(L.LightningDataModule):
         self._require_setup()
         assert self._val is not None
         rank, world = self._rank()
+        kwargs = self._loader_kwargs() | {"batch_size": self.val_batch_size}
         if world == 1:
-            return DataLoader(self._val, shuffle=False, **self._loader_kwargs())
+            return DataLoader(self._val, shuffle=False, **kwargs)
         # Each data-parallel rank its share, in order, as Lightning's own distributed sampler shards validation
         sampler = DistributedSampler(self._val, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(self._val, sampler=sampler, **self._loader_kwargs())
+        return DataLoader(self._val, sampler=sampler, **kwargs)

@@ -131,8 +131,13 @@ def pipeline_parallel(config: Config) -> PipelineLayout | None:
             f"{what} with trainer.strategy={t.strategy} or tensor parallelism is not run or estimated yet; "
             "use trainer=ddp"
         )
-    if t.devices != degree or t.num_nodes != 1:
-        raise ConfigError(f"{what} runs one stage's rank per device: set trainer.devices={degree} trainer.num_nodes=1")
+    if t.num_nodes != 1:
+        raise ConfigError(f"{what} runs on one node yet: set trainer.num_nodes=1")
+    if not isinstance(t.devices, int) or t.devices % degree:
+        raise ConfigError(
+            f"{what} runs one stage's rank a device, the pipeline replicated over the rest: trainer.devices="
+            f"{t.devices} does not split into {degree} stages' ranks; set trainer.devices to a multiple of {degree}"
+        )
     policy = build_policy(config.policy)
     if t.compile or policy.caps.requires_compile or policy.caps.planned_first:
         raise ConfigError(

@@ -76,7 +76,7 @@ def preflight(cfg: Config, run_dir: Path) -> tuple[build.Resolved, Path | None]:
     if not os.access(run_dir if run_dir.exists() else run_dir.parent, os.W_OK):
         raise ConfigError(f"cannot write to the run folder {run_dir}; pass hydra.run.dir=<a writable folder>")
     probe_trainer(cfg)
-    resume = checkpoint_file(cfg.ckpt_path, run_dir, cfg.trainer.pipeline_parallel) if cfg.ckpt_path else None
+    resume = checkpoint_file(cfg.ckpt_path, run_dir, cfg) if cfg.ckpt_path else None
     return facts, resume
 
 
@@ -103,9 +103,10 @@ def probe_trainer(cfg: Config) -> None:
         raise ConfigError(f"trainer: Lightning refuses it: {reason}; see conf/trainer/ for the options") from None
 
 
-def checkpoint_file(ckpt_path: str, run_dir: Path, pipeline_ranks: int = 1) -> Path:
+def checkpoint_file(ckpt_path: str, run_dir: Path, cfg: Config | None = None) -> Path:
     """Resolve `ckpt_path` and prove it is a Lightning checkpoint that loads with weights_only, written by the layout
-    that resumes it (pipeline stages write the whole model's names and each rank's RNG), in one line."""
+    that resumes it (pipeline stages write the whole model's names and each rank's RNG) on batches of the same rows,
+    in one line."""
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     if not path.is_file():
         hint = (
@@ -120,13 +121,41 @@ def checkpoint_file(ckpt_path: str, run_dir: Path, pipeline_ranks: int = 1) -> P
         raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a readable checkpoint ({one_line(e, 160)})") from None
     if not isinstance(state, dict) or "state_dict" not in state or "optimizer_states" not in state:
         raise ConfigError(f"ckpt_path={ckpt_path}: {path} is not a Lightning training checkpoint of this project")
+    if cfg is None:
+        return path
+    stages = cfg.trainer.pipeline_parallel
     written = len((state.get("rng_state") or {}).get("ranks") or [None])  # stages keep one RNG state a rank
-    if written != pipeline_ranks:
+    if written != stages:
         raise ConfigError(
             f"ckpt_path={ckpt_path}: {path} was written with trainer.pipeline_parallel={written}; resume it with the "
             "same trainer.pipeline_parallel (each rank's RNG and optimizer state are kept for that layout)"
         )
+    loaders = state.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or [{}]
+    rows, now = loaders[0].get("batch_size"), build.train_batch(cfg)
+    if rows is not None and rows != now:
+        what = (
+            "batch_size × accum (pipeline stages take a step's micro-batches as one batch)"
+            if stages > 1
+            else ("batch_size")
+        )
+        raise ConfigError(
+            f"ckpt_path={ckpt_path}: {path} was trained on batches of {rows} rows, this run's have {now}: resume with "
+            f"the same {what}"
+        )
     return path
+
+
+def check_same_model(ckpt_path: str, path: Path, module: DecoderModule) -> None:
+    """The checkpoint holds this model's weights (under pipeline stages, the whole model's), or one line, before any
+    rank starts: a rank whose keys are missing would otherwise fail alone."""
+    have = set(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"])
+    want = set(module.state_dict())
+    if have != want:
+        odd = sorted(want - have) or sorted(have - want)
+        raise ConfigError(
+            f"ckpt_path={ckpt_path}: {path} holds another model's weights ({odd[0]} is in one and not the other); "
+            "resume with the model configuration it was trained with"
+        )
 
 
 @contextlib.contextmanager
@@ -163,7 +192,7 @@ def lightning_strategy(t: TrainerConfig, layer_class: type | None = None) -> Any
     if t.pipeline_parallel > 1:
         from trainer.core.stages import PipelineStrategy
 
-        return PipelineStrategy(t.pipeline_parallel)
+        return PipelineStrategy(t.pipeline_parallel, t.devices // t.pipeline_parallel)
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -216,6 +245,8 @@ def train(
         L.seed_everything(config.seed, workers=True, verbose=False)
         data = build.data_module(config)
         module = build.module(config, policy, vocab_size=build.vocab(config, data), hf_config=facts.hf_config)
+        if resume_from is not None:
+            check_same_model(str(config.ckpt_path), resume_from, module)
         run = Run(config, run_dir, data, module, callbacks or [])
         return run.fit(resume_from)  # policy=auto may still refuse here, at fit start, before a step is taken
     except UserError:
@@ -271,7 +302,6 @@ class Run:
         # Pipeline stages take a step's micro-batches as one batch and step under manual optimization (the schedule
         # runs the backward): no accumulation or clipping by Lightning, the module clips.
         batches_a_step = 1 if t.pipeline_parallel > 1 else config.accum
-        _, val_batches = build.loader_batches(config)
         self.trainer = L.Trainer(
             max_steps=t.max_steps,
             accumulate_grad_batches=batches_a_step,
@@ -281,7 +311,7 @@ class Run:
             # Lightning counts validation intervals in batches; the config speaks optimizer steps.
             val_check_interval=t.val_every_n_steps * batches_a_step,
             check_val_every_n_epoch=None,
-            limit_val_batches=val_batches,
+            limit_val_batches=t.val_batches,
             num_sanity_val_steps=0,
             log_every_n_steps=1,
             accelerator=t.accelerator,

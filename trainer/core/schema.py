@@ -131,7 +131,8 @@ class TrainerConfig:
     loss_parallel: bool = True
     # Pipeline stages (torch.distributed.pipelining): the layers cut into this many consecutive stages, one a device
     # (pipeline_virtual a device under interleaved_1f1b), pipeline_schedule running `accum` micro-batches a step.
-    # Trained by train.py (trainer/core/stages.py), estimated per rank (python -m trainer.estimate).
+    # Trained by train.py (trainer/core/stages.py), estimated per rank (python -m trainer.estimate); trainer.devices a
+    # multiple of it replicates the pipeline (data parallelism).
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | gpipe
     pipeline_virtual: int = 1

@@ -10,20 +10,22 @@ own blocks). A training step is one schedule step over the whole step's batch (t
 rows; the schedule splits them into `accum` micro-batches, as torchtitan feeds its schedules), so Lightning runs it
 under manual optimization: the schedule's backward, then the optimizer step, where the measuring callback closes its
 activation window and the gradients are clipped by the whole model's norm (the squared norms summed over the ranks).
-The last stage's mean loss is broadcast to every rank, so rank 0 (the first stage) logs and writes it. Validation runs
-the schedule forward only (torch's `eval`).
+The last stage's mean loss is broadcast to every rank, so rank 0 (the first stage) logs and writes it. Validation reads
+micro-batches, each forward through the stages in order. More devices than stages replicate the pipeline (data
+parallelism): each replica reads its share, and its gradients are averaged with the other replicas' of its stages.
 
-`PipelineStrategy` is Lightning's ModelParallelStrategy over a 1-D mesh of the stages' ranks: no wrapper, every rank
-reads the same batches, and a checkpoint is one file holding the whole model under its own keys (each rank's stages
-renamed back to the unpruned model's names and gathered on rank 0), its AdamW state keyed by those names, and each
-rank's RNG state: it loads into a model of one process (`load_state_dict`), and a run with the same stages resumes
-from it exactly.
+`PipelineStrategy` is Lightning's ModelParallelStrategy over a ("pipeline_parallel", "data_parallel") mesh: no
+wrapper, a pipeline's ranks read the same batches, and a checkpoint is one file holding the whole model under its own
+keys (each rank's stages renamed back to the unpruned model's names and gathered on rank 0), its AdamW state keyed by
+those names, and each rank's RNG state: it loads into a model of one process (`load_state_dict`), and a run with the
+same stages resumes from it exactly.
 
 Near tools: torchtitan's pipelining trainer (the same schedules and the same global-name checkpoints, through torch's
 distributed checkpoint: a folder of shards); Lightning has no pipeline strategy of its own.
 
-Known limitations: fp32 only (the estimate of a stage is); one stage's rank a device, no data or tensor parallelism
-beside the stages; eager, with a policy the eager step runs (not auto or memory_budget).
+Known limitations: fp32 only (the estimate of a stage is); data parallelism beside the stages by whole-gradient
+all-reduce (no FSDP2, no tensor parallelism yet); one node; eager, with a policy the eager step runs (not auto or
+memory_budget); tested on CPU processes (gloo) only.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class PipelineModule(DecoderModule):
         p, mesh = self.pipeline, self.device_mesh
         if mesh is None:
             raise ConfigError("pipeline stages are cut on a run's ranks: train them through train.py or trainer.check")
-        self.stage_ids = p.stages_of(mesh.get_local_rank())
+        self.stage_ids = p.stages_of(self.pipeline_rank)
         whole = self.model
         remove_policy(whole)  # each stage installs its own share below
         n_layer, attention = len(adapter_for(whole).layers), self.adapter.attention
@@ -110,8 +112,25 @@ class PipelineModule(DecoderModule):
         return self._whole[1]
 
     @property
+    def pipeline_rank(self) -> int:
+        """This rank's place among the stages' ranks (its replica's pipeline)."""
+        return self.device_mesh["pipeline_parallel"].get_local_rank()
+
+    @property
     def group(self) -> Any:
-        return self.device_mesh.get_group()
+        """The process group of this rank's pipeline: its sends and receives, the loss's broadcast, the norm's sum."""
+        return self.device_mesh["pipeline_parallel"].get_group()
+
+    def average_replicas(self) -> None:
+        """Data parallelism beside the stages: each gradient averaged over the replicas of this rank's stages, in
+        place (DDP's arithmetic, without its buckets: gradients whole, after the schedule's backward)."""
+        replicas = self.device_mesh["data_parallel"]
+        if replicas.size() == 1:
+            return
+        for param in self.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=replicas.get_group())
+                param.grad.div_(replicas.size())
 
     def schedule(self) -> Any:
         """torch's schedule over the rank's stages, made at the first step (the stages on their device by then)."""
@@ -128,18 +147,18 @@ class PipelineModule(DecoderModule):
         return self._schedule
 
     # -- steps ---------------------------------------------------------------------------------------------------
-    def _run(self, batch: tuple[torch.Tensor, torch.Tensor], backward: bool) -> torch.Tensor:
-        """One schedule step (or its forward alone) over the whole step's batch; the last stage's mean loss, on
-        every rank."""
+    def _run(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One schedule step over the whole step's batch; the last stage's mean loss, on every rank."""
         x, y = batch
-        losses = step_rank(self.schedule(), self.stage_ids, self.pipeline.n_stages, x, y, backward)
+        losses = step_rank(self.schedule(), self.stage_ids, self.pipeline.n_stages, x, y)
         loss = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, group_src=self.pipeline.ranks - 1, group=self.group)  # the last stage's rank
         return loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        loss = self._run(batch, backward=True)  # each micro-batch's backward; the gradients of the step's mean
+        loss = self._run(batch)  # each micro-batch's backward; the gradients of the step's mean
+        self.average_replicas()
         self.last_loss = loss
         optimizer.step()  # the callbacks' on_before_optimizer_step (measuring, guard), then ours (clipping)
         optimizer.zero_grad(set_to_none=True)
@@ -154,9 +173,34 @@ class PipelineModule(DecoderModule):
         return float(clip_grad_norm(list(self.parameters()), 0.0, self.group))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._run(batch, backward=False)
+        loss = self._forward_through(batch)
         self._val_loss_sum += loss.float()
         self._val_batches += 1
+        return loss
+
+    def _forward_through(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's loss, forward only, through the stages in order (each stage's rank receives the stream
+        from the previous stage's and sends it on): validation reads the rows one process reads, a micro-batch at
+        a time, where the schedule would need a step's micro-batches at once. The loss on every rank."""
+        x, y = batch
+        p, models = self.pipeline, self.stage_models()
+        loss = torch.zeros((), device=self.device)
+        for stage in range(p.n_stages):
+            if stage % p.ranks != self.pipeline_rank:
+                continue
+            model = models[self.stage_ids.index(stage)]
+            if stage == 0:
+                stream = x
+            else:
+                param = next(model.parameters())
+                stream = torch.empty(*x.shape, model.config.n_embd, dtype=param.dtype, device=param.device)
+                dist.recv(stream, group_src=(stage - 1) % p.ranks, group=self.group)
+            out = PipelineStageModule(model)(stream)
+            if stage < p.n_stages - 1:
+                dist.send(out.contiguous(), group_dst=(stage + 1) % p.ranks, group=self.group)
+            else:
+                loss = stage_loss(PipelineStageModule(model), self.loss_config)(out, y).detach()
+        dist.broadcast(loss, group_src=self.pipeline.ranks - 1, group=self.group)
         return loss
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -203,6 +247,8 @@ class PipelineModule(DecoderModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Each rank's own draws (its stages' dropout): gathered, so every rank resumes with its own.
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
         gathered: list[Any] = [None] * self.pipeline.ranks
         dist.all_gather_object(gathered, rng, group=self.group)
         checkpoint["rng_state"] = {"ranks": gathered}
@@ -214,6 +260,8 @@ class PipelineModule(DecoderModule):
         rng = ranks[dist.get_rank(self.group)]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,26 +277,26 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class PipelineStrategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy with a 1-D mesh of the pipeline's ranks ("pipeline_parallel"), the same
-    batches on every rank, and whole-model checkpoints (`PipelineModule.whole_state_dict`) gathered on rank 0."""
+    """Lightning's ModelParallelStrategy with a 2-D mesh, ("pipeline_parallel", "data_parallel") as torchtitan orders
+    it (the stages' ranks outermost): a pipeline's ranks read the same batches (the first stage takes the tokens, the
+    last the targets), each replica its share; whole-model checkpoints (`PipelineModule.whole_state_dict`) gathered
+    on rank 0."""
 
-    def __init__(self, ranks: int) -> None:
-        super().__init__(data_parallel_size=1, tensor_parallel_size=ranks, save_distributed_checkpoint=False)
-        self.ranks = ranks
+    def __init__(self, ranks: int, replicas: int = 1) -> None:
+        super().__init__(data_parallel_size=replicas, tensor_parallel_size=ranks, save_distributed_checkpoint=False)
+        self.ranks, self.replicas = ranks, replicas
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self._setup_distributed()
         self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.ranks,), mesh_dim_names=("pipeline_parallel",)
+            self.root_device.type,
+            (self.ranks, self.replicas),
+            mesh_dim_names=("pipeline_parallel", "data_parallel"),
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}  # the first stage takes the tokens, the last the targets: the same rows
 
     def _module(self) -> PipelineModule:
         module = self.lightning_module

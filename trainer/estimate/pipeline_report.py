@@ -41,11 +41,14 @@ def pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int 
     slowest = max((ms for ms in compute if ms is not None), default=None)
     step_ms = None if slowest is None else slowest * (1 + bubble(pipeline))
     per = f"{pipeline.virtual} stages a rank, " if pipeline.virtual > 1 else ""
+    replicas = config.trainer.devices // pipeline.ranks
+    copies = f", the pipeline replicated on {replicas} data-parallel ranks alike" if replicas > 1 else ""
     policy = build_policy(config.policy).name
     head = (
         f"{config.model.name}, policy={policy}: {pipeline.n_stages} pipeline stages on {pipeline.ranks} "
-        f"ranks ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of {config.batch_size} × "
-        f"{config.seq_len} tokens), each rank's steady-state step on fake tensors: activations are the micro-batches "
+        f"ranks{copies} ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of "
+        f"{config.batch_size} × {config.seq_len} tokens), each rank's steady-state step on fake tensors: activations "
+        "are the micro-batches "
         "in flight (P2P buffers included); the step's peak adds the stages' gradients; the total adds the parameters "
         "and AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
     )

@@ -20,8 +20,8 @@ Example::
     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
 
 Known limitations: native families only (a Hugging Face model's forward has no pruned form); tied embeddings (the
-embedding on the first stage, the head on the last) are refused; one stage a device (no data or tensor parallelism
-beside the stages yet). Trained by trainer.core.stages, estimated per rank by trainer.estimate.pipeline.
+embedding on the first stage, the head on the last) are refused. Trained by trainer.core.stages (replicated for data
+parallelism), estimated per rank by trainer.estimate.pipeline.
 """
 
 from __future__ import annotations
@@ -213,16 +213,13 @@ def pipeline_stage(
     )
 
 
-def step_rank(
-    sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor, backward: bool = True
-) -> list[torch.Tensor]:
+def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """One schedule step as a rank takes it: the micro-batches' tokens on the first stage's rank, the targets on the
-    last's; the micro-batches' losses on the last stage's rank ([] elsewhere). `backward=False`: forward only
-    (torch's `eval`, a validation batch)."""
+    last's; the micro-batches' losses on the last stage's rank ([] elsewhere)."""
     losses: list[torch.Tensor] = []
     args = (x,) if 0 in ids else ()
     kwargs: dict[str, Any] = {"target": y, "losses": losses} if n_stages - 1 in ids else {}
-    (sched.step if backward else sched.eval)(*args, **kwargs)
+    sched.step(*args, **kwargs)
     return losses
 
 
@@ -239,7 +236,9 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, group: Any) 
     import torch.distributed as dist
 
     held = [p for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in held], norm_type=2.0) if held else torch.zeros(())
+    device = params[0].device if params else None  # the group's backend takes the parameters' device (NCCL: CUDA)
+    grads = [p.grad for p in held]
+    local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if held else torch.zeros((), device=device)
     squared = local.double() ** 2
     dist.all_reduce(squared, group=group)
     norm = squared.sqrt().float()

@@ -78,8 +78,9 @@ def fake_mesh(world: int, device_type: str, tensor_parallel: int = 1) -> tuple[A
 def fake_rank(rank: int, world: int) -> Iterator[Any]:
     """This process as rank `rank` of a fake group of `world` (a pipeline rank's estimate: its P2P sends and receives
     go nowhere), destroyed on exit; yields the group to send on. Outside a run, the fake default group (None: the
-    default); inside a run (its own prediction), a fake group over the run's ranks, which must be `world` with this
-    process rank `rank`; the run's group is left untouched."""
+    default); inside a run (its own prediction), a fake group over its pipeline's ranks: the run's ranks as a
+    (world × replicas) mesh, the stages' ranks outermost as the run lays them out, this process rank `rank` of its
+    pipeline; the run's groups are left untouched."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -89,17 +90,23 @@ def fake_rank(rank: int, world: int) -> Iterator[Any]:
         finally:
             dist.destroy_process_group()
         return
-    if (dist.get_world_size(), dist.get_rank()) != (world, rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = dist.get_world_size() // world
+    if dist.get_world_size() % world or dist.get_rank() // replicas != rank:
         raise ConfigError(
-            f"an estimate of rank {rank} of {world} inside rank {dist.get_rank()} of {dist.get_world_size()}: "
-            "estimate it outside the run (python -m trainer.estimate with the run's overrides)"
+            f"an estimate of pipeline rank {rank} of {world} inside rank {dist.get_rank()} of {dist.get_world_size()}:"
+            " estimate it outside the run (python -m trainer.estimate with the run's overrides)"
         )
     _fake_store()  # importing its module registers the fake backend
-    group = dist.new_group(backend="fake")  # every rank predicts, so every rank makes it, in the same order
+    serial = next(_SERIAL)  # names of its own, as fake_mesh's (DeviceMesh equality looks at names, not groups)
+    names = (f"estimate_{serial}_pipeline_parallel", f"estimate_{serial}_data_parallel")
+    # every rank predicts, so every rank makes the groups, in the same order
+    mesh = init_device_mesh("cpu", (world, replicas), mesh_dim_names=names, backend_override={0: "fake", 1: "fake"})
     try:
-        yield group
+        yield mesh.get_group(0)
     finally:
-        dist.destroy_process_group(group)
+        release((mesh.get_group(0), mesh.get_group(1)))
 
 
 def release(group: Any) -> None:
