@@ -44,6 +44,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw(trained: nn.Module, o: OptimConfig, foreach: bool | None = None) -> torch.optim.AdamW:
+    """The run's AdamW over `trained`'s parameters (`param_groups`), as `optim` configures it."""
+    groups = param_groups(trained, o.weight_decay)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=foreach)  # type: ignore[arg-type]
+
+
 log = logging.getLogger(__name__)
 _STAND_IN_EXPLAINED = False
 
@@ -251,13 +257,7 @@ class DecoderModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim
-        opt = torch.optim.AdamW(
-            param_groups(self.trained(), o.weight_decay),
-            lr=o.lr,
-            betas=tuple(o.betas),
-            eps=o.eps,
-            foreach=self.optimizer_foreach,
-        )
+        opt = adamw(self.trained(), o, self.optimizer_foreach)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, o.warmup_steps, self.max_steps, o.min_lr / o.lr)
         )

@@ -424,28 +424,38 @@ class Run:
         }
 
     def per_rank(self) -> list[dict[str, float]]:
-        """Each rank's activation peak, its own prediction of it, and a checksum of its parameters (data parallel
-        keeps them equal)."""
+        """Each rank's activation peak and whole-step peak, its own prediction of each, and a checksum of its
+        parameters (data parallel keeps them equal)."""
         trainer = self.trainer
         if trainer.world_size == 1:
             return []
-        act = self.measure.summary()[metrics.ACTIVATION_PEAK_KEY]
+        measured = self.measure.summary()
+        act, total = measured[metrics.ACTIVATION_PEAK_KEY], measured.get(metrics.PEAK_TOTAL_KEY)
         with torch.no_grad():
             # Full tensors under FSDP2 (DTensor shards are gathered), plain ones under DDP.
             params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.module.parameters()]
             checksum = sum(float(p.double().sum()) for p in params)
         # NaN crosses the all-gather for "not measured" (a run shorter than the tracked step); it is null in JSON.
-        predicted = self.prediction.predicted.get(metrics.PREDICTED_ACTIVATION_PEAK_KEY) if self.prediction else None
-        values = [math.nan if act is None else act, checksum, math.nan if predicted is None else predicted]
+        own = self.prediction.predicted if self.prediction else {}
+        keys = (
+            metrics.ACTIVATION_PEAK_KEY,
+            metrics.PREDICTED_ACTIVATION_PEAK_KEY,
+            metrics.PEAK_TOTAL_KEY,
+            metrics.PREDICTED_PEAK_TOTAL_KEY,
+            "param_checksum",
+        )
+        figures = [
+            act,
+            own.get(metrics.PREDICTED_ACTIVATION_PEAK_KEY),
+            total,
+            own.get(metrics.PREDICTED_PEAK_TOTAL_KEY),
+            checksum,
+        ]
+        values = [math.nan if v is None else v for v in figures]
         gathered = trainer.strategy.all_gather(torch.tensor(values, dtype=torch.float64, device=self.module.device))
         return [
-            {
-                "rank": r,
-                metrics.ACTIVATION_PEAK_KEY: None if math.isnan(a) else float(a),
-                metrics.PREDICTED_ACTIVATION_PEAK_KEY: None if math.isnan(p) else float(p),
-                "param_checksum": float(c),
-            }
-            for r, (a, c, p) in enumerate(gathered.cpu().tolist())
+            {"rank": r, **{k: None if math.isnan(v) else float(v) for k, v in zip(keys, row, strict=True)}}
+            for r, row in enumerate(gathered.cpu().tolist())
         ]
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:

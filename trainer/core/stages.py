@@ -54,6 +54,7 @@ from trainer.parallel.pipeline import (
     stage_layers,
     stage_loss,
     stage_policy,
+    step_loss,
     step_rank,
 )
 from trainer.policies import apply_policy, remove_policy
@@ -151,9 +152,7 @@ class PipelineModule(DecoderModule):
         """One schedule step over the whole step's batch; the last stage's mean loss, on every rank."""
         x, y = batch
         losses = step_rank(self.schedule(), self.stage_ids, self.pipeline.n_stages, x, y)
-        loss = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(loss, group_src=self.pipeline.ranks - 1, group=self.group)  # the last stage's rank
-        return loss
+        return step_loss(losses, self.group, self.pipeline.ranks - 1, self.device)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()

@@ -33,6 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from models.adapter import adapter_for
+from trainer.core.module import adamw
+from trainer.core.schema import OptimConfig
+from trainer.core.step import training_state
 from trainer.loss import LossConfig
 from trainer.measure.fake.process_group import fake_rank
 from trainer.measure.memory.tracker import LiveTensorTracker
@@ -41,11 +44,13 @@ from trainer.parallel.pipeline import (
     PipelineLayout,
     PipelineStageModule,
     build_schedule,
+    clip_grad_norm,
     pipeline_stage,
     prune_to_stage,
     stage_layers,
     stage_loss,
     stage_policy,
+    step_loss,
     step_rank,
 )
 
@@ -53,10 +58,11 @@ from trainer.parallel.pipeline import (
 class RankPeak(NamedTuple):
     """One pipeline rank's steady-state step, in bytes."""
 
-    peak: int  # everything the step allocated, at its peak: activations, P2P buffers, the stages' gradients
+    peak: int  # everything the schedule's step allocated, at its peak: activations, P2P buffers, the gradients
     activations: int  # the same step's peak without the gradients: what the micro-batches in flight hold
     parameters: int = 0  # the rank's stages' parameters, held before and after the step
-    work: Work | None = None  # the same step's ops (trainer.measure.time.op_trace), for the step-time model
+    work: Work | None = None  # the schedule step's ops (trainer.measure.time.op_trace), for the step-time model
+    total: int | None = None  # with an optimizer: the whole step's peak, parameters, AdamW state and update in it
 
 
 class RankEstimate(NamedTuple):
@@ -112,10 +118,15 @@ def estimate_rank(
     policy: Any = "none",
     loss: LossConfig | None = None,
     virtual: int = 1,
+    optim: OptimConfig | None = None,
+    grad_clip: float = 0.0,
 ) -> RankPeak:
     """The peaks of a steady-state step of pipeline rank `rank` of `world` (its stages rank, rank + world, …
     for `virtual` stages a rank): the step's own allocations (activations, gradients, P2P buffers) as the live-tensor
-    tracker counts them, `build()` making the whole model (on fake tensors here)."""
+    tracker counts them, `build()` making the whole model (on fake tensors here). With `optim`, the step as
+    train.py takes it (trainer.core.stages): the parameters and AdamW's state held from its start, and after the
+    schedule the loss's broadcast, the guard's gradient norm, clipping to `grad_clip`, AdamW's update and zero_grad,
+    whose peak is `total`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining._utils import InferenceMode
 
@@ -146,24 +157,40 @@ def estimate_rank(
         sched._warmup_p2p = static
         vocab = modules[0].model.config.vocab_size
         x, y = (torch.randint(0, vocab, (n_microbatches * micro_batch[0], micro_batch[1])) for _ in range(2))
-        for _ in range(2):  # the second step is the steady state: the first builds the P2P buffers
-            for m in modules:
-                m.zero_grad(set_to_none=True)
-            with LiveTensorTracker() as tracker, OpTrace() as trace:
-                step_rank(sched, ids, n_stages, x, y)
-        params = [p for m in modules for p in m.parameters()]
+        stage_models = nn.ModuleList([m.model for m in modules])
+        params = list(stage_models.parameters())
+        optimizer = None if optim is None else adamw(stage_models, optim)
+        for _ in range(2):  # the second step is the steady state: the first builds the P2P buffers, AdamW's state
+            stage_models.zero_grad(set_to_none=True)
+            with LiveTensorTracker() as tracker:
+                if optimizer is not None:  # what the run's step holds from its start (StepMeter.begin)
+                    for label, tensors in training_state(stage_models, [optimizer]).items():
+                        tracker.adopt(tensors, label)
+                with OpTrace() as trace:
+                    losses = step_rank(sched, ids, n_stages, x, y)
+                window = tracker.mark()  # where the run's measuring callback closes its activation window
+                grads = [p.grad for p in params]
+                if optimizer is not None:  # PipelineModule.training_step, its hooks in Lightning's order
+                    held = step_loss(losses, group, world - 1, "cpu")  # self.last_loss
+                    del losses
+                    clip_grad_norm(params, 0.0, group)  # the numeric guard's norm (its float() allocates nothing)
+                    clip_grad_norm(params, grad_clip, group)  # the module's hook
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    del held
         weights = sum(p.numel() * p.element_size() for p in params)
-        activations = tracker.peak_bytes_excluding([p.grad for p in params])
-        return RankPeak(tracker.peak_bytes, activations, weights, trace.work)
-
-
-ADAMW_STATES = 2  # AdamW keeps exp_avg and exp_avg_sq, each a tensor of its parameter's size and dtype
+        activations = tracker.peak_bytes_excluding(grads, until=window)
+        peak = tracker.peak_bytes_excluding([], until=window)
+        total = tracker.peak_bytes if optimizer is not None else None
+        return RankPeak(peak, activations, weights, trace.work, total)
 
 
 def rank_total(figures: RankPeak) -> int:
-    """What a rank holds at its step's peak: its parameters, AdamW's two states of them, and the step's peak
-    (activations, gradients, P2P buffers). The optimizer step's own temporaries are not in it."""
-    return figures.parameters * (1 + ADAMW_STATES) + figures.peak
+    """What a rank holds at its step's peak: the whole step's, estimated with its optimizer (`estimate_rank`'s
+    `optim`): the parameters, AdamW's state, the schedule's step and the update."""
+    if figures.total is None:
+        raise ValueError("a rank estimated without its optimizer has no total: pass optim to estimate_rank")
+    return figures.total
 
 
 class RankFit(NamedTuple):
@@ -228,6 +255,8 @@ def _estimate_one(config: Any, pipeline: PipelineLayout, rank: int, policy: Any)
         policy,
         config.loss,
         pipeline.virtual,
+        config.optim,
+        config.trainer.grad_clip,
     )
 
 

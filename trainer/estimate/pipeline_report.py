@@ -49,8 +49,8 @@ def pipeline_main(args: Any, config: Any, pipeline: PipelineLayout, budget: int 
         f"ranks{copies} ({per}{pipeline.schedule} over accum={pipeline.n_microbatches} micro-batches of "
         f"{config.batch_size} × {config.seq_len} tokens), each rank's steady-state step on fake tensors: activations "
         "are the micro-batches "
-        "in flight (P2P buffers included); the step's peak adds the stages' gradients; the total adds the parameters "
-        "and AdamW's two states of them (a bare step in fp32: the optimizer step's own temporaries are not in it)."
+        "in flight (P2P buffers included); the step's peak adds the stages' gradients; the total is the whole step's "
+        "peak as train.py takes it: the parameters and AdamW's state held, the update after the schedule (fp32)."
     )
     rows = [
         [

@@ -223,6 +223,16 @@ def step_rank(sched: Any, ids: list[int], n_stages: int, x: torch.Tensor, y: tor
     return losses
 
 
+def step_loss(losses: list[torch.Tensor], group: Any, last_rank: int, device: Any) -> torch.Tensor:
+    """The step's loss on every rank of the pipeline: the mean of the micro-batches' losses, which the last stage's
+    rank (`last_rank` in `group`) holds, broadcast."""
+    import torch.distributed as dist
+
+    loss = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros((), device=device)
+    dist.broadcast(loss, group_src=last_rank, group=group)
+    return loss
+
+
 def global_names(model: nn.Module) -> dict[int, str]:
     """The state-dict key of each of `model`'s tensors (by identity), taken before `prune_to_stage`: a stage keeps
     the whole model's names for its checkpoint keys, so a checkpoint of every stage is the whole model's."""
