@@ -437,17 +437,27 @@ def test_two_pipelines_side_by_side_train_as_ddp_and_each_rank_is_its_prediction
 
 
 @pytest.mark.slow
-def test_trainer_check_compares_a_policy_on_stages_and_the_stages_with_one_process() -> None:
-    """`python -m trainer.check` on 2 pipeline ranks (1F1B over 3 micro-batches, dropout on): `full` against `none`,
-    both cut into stages as the run cuts them, bit for bit; and `none` in stages against one process, dropout off,
-    within the layout tolerance and not bit for bit (a 3-way mean scales in another order)."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["accum=3"],
+        ["accum=6", "model.n_layer=4", "trainer.pipeline_schedule=interleaved_1f1b", "trainer.pipeline_virtual=2"],
+    ],
+    ids=["1f1b", "interleaved"],
+)
+def test_trainer_check_compares_a_policy_on_stages_and_the_stages_with_one_process(layout: list[str]) -> None:
+    """`python -m trainer.check` on 2 pipeline ranks (1F1B over 3 micro-batches; interleaved 1F1B, 4 stages of one
+    layer over 6), dropout on: `full` against `none`, both cut into stages as the run cuts them, bit for bit; and
+    `none` in stages against one process, dropout off, within the layout tolerance and not bit for bit (a 3-way mean
+    scales in another order)."""
     from trainer.check.compare import LAYOUT_TOLERANCE, run_check
     from trainer.core.schema import compose_config
 
-    config = compose_config([*TRAINED, *STAGES, "accum=3", "model.dropout=0.1", "policy=full"])
+    config = compose_config([*TRAINED, *STAGES, *layout, "model.dropout=0.1", "policy=full"])
     result = run_check(config, steps=2)
     assert result.equal and result.exact and result.policy == "full", result.first_failure
-    assert sum(d.params for d in result.groups.values()) == 29  # micro's every tensor, from both ranks
+    tensors = 5 + 12 * config.model.n_layer  # micro's every tensor (embeddings, final norm, head; 12 a layer)
+    assert sum(d.params for d in result.groups.values()) == tensors  # from both ranks
     assert result.layout is not None and result.layout.equal
     assert 0 < max(d.max_rel for d in result.layout.groups.values()) < LAYOUT_TOLERANCE
 

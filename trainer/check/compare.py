@@ -424,7 +424,7 @@ def _stage_rank(
             compare_step(out, s, short, pair, (losses[s][0], losses[s][1]), tolerance)
         # one process, none, dropout off, over the same micro-batches: what the stages' `none` must equal
         staged = [{k: v for part in gathered for k, v in part[1][s].items()} for s in range(steps)]
-        single = replace(config, trainer=replace(config.trainer, pipeline_parallel=1, devices=1))
+        single = replace(config, trainer=replace(config.trainer, pipeline_parallel=1, pipeline_virtual=1, devices=1))
         one = build_one("none", single, dropout=False)
         opt, sched = step_.optimizers_of(one)
         plugin = precision_.plugin("32-true", "cpu")
