@@ -165,6 +165,30 @@ def test_data_parallel_ranks_take_disjoint_shares_of_one_order_and_resume_within
     assert list(resumed) == shares[1][3:]
 
 
+def test_the_loaders_shard_by_rank_unless_lightning_does_and_a_resume_keeps_the_ranks(tmp_path: Path) -> None:
+    """Rank 1 of 2 data-parallel ranks: under train.py (Lightning's distributed sampler off) the loaders take rank
+    1's share themselves; in a Trainer that adds Lightning's sampler they leave the sharding to it, as before (cut
+    twice, each rank would read a quarter). A position saved over 2 ranks resumed over 1 is one line."""
+    from types import SimpleNamespace
+
+    from trainer.core.data import ResumableRandomSampler
+
+    dm = ready(make_dm(tmp_path))
+    for lightning_shards, ranks in ((False, 2), (True, 1)):
+        dm.trainer = SimpleNamespace(  # type: ignore[assignment]
+            strategy=SimpleNamespace(distributed_sampler_kwargs={"rank": 1, "num_replicas": 2}),
+            _accelerator_connector=SimpleNamespace(use_distributed_sampler=lightning_shards),
+        )
+        train, val = dm.train_dataloader(), dm.val_dataloader()
+        assert isinstance(train.sampler, ResumableRandomSampler) and train.sampler.world == ranks
+        assert len(val.sampler) == -(-len(dm._val) // ranks)  # type: ignore[arg-type]
+    dm.trainer = None
+    single = dm.train_dataloader()
+    with pytest.raises(DataError) as e:
+        single.load_state_dict({"epoch": 0, "batches": 3, "batch_size": 4, "ranks": 2})
+    assert_one_line(e, "trained over 2 data-parallel ranks, this run has 1", "resume with the same trainer.devices")
+
+
 def test_split_fraction_and_determinism(tmp_path: Path) -> None:
     dm = make_dm(tmp_path, val_fraction=0.1, seed=3)
     source = Source(dm.cfg)

@@ -45,7 +45,7 @@ def data_module(config: Config) -> TextDataModule:
         seed=config.seed,
         tokenizer_from=config.model.name_or_path if config.data.tokenizer == "model" else None,
         val_blocks=config.trainer.val_batches * config.batch_size * data_parallel_ranks(config),
-        val_batch_size=config.batch_size,
+        val_batch_size=config.batch_size if config.trainer.pipeline_parallel > 1 else None,
     )
     data.prepare_data()
     data.setup("fit")

@@ -221,12 +221,18 @@ class ResumableDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         epoch, batches = self._position()
-        return {"epoch": epoch, "batches": batches, "batch_size": int(self.batch_size or 1)}
+        ranks = self.sampler.world if isinstance(self.sampler, ResumableRandomSampler) else 1
+        return {"epoch": epoch, "batches": batches, "batch_size": int(self.batch_size or 1), "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         _same_batch_size(state, self.batch_size)
         sampler = self.sampler
         if isinstance(sampler, ResumableRandomSampler):
+            if state.get("ranks", sampler.world) != sampler.world:  # positions count each rank's own share
+                raise DataError(
+                    f"the checkpoint was trained over {state['ranks']} data-parallel ranks, this run has "
+                    f"{sampler.world}; resume with the same trainer.devices (and parallel layout)"
+                )
             sampler.resume_at(state["epoch"], state["batches"] * state["batch_size"])
 
 
@@ -283,7 +289,7 @@ class TextDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.seq_len = seq_len
         self.batch_size = batch_size
-        self.val_batch_size = val_batch_size or batch_size
+        self.val_batch_size = val_batch_size  # None: batch_size, as it is when validation starts (auto may halve it)
         self.seed = seed
         self.val_blocks = val_blocks or 8 * batch_size
         self.cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
@@ -650,6 +656,15 @@ class TextDataModule(L.LightningDataModule):
         kw = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}  # single-device: none
         return int(kw.get("rank", 0)), int(kw.get("num_replicas", 1))
 
+    def _shard(self) -> tuple[int, int]:
+        """(rank, ranks) the map-style loaders shard by themselves: the data-parallel ones, unless the Trainer adds
+        Lightning's distributed sampler (its default; train.py turns it off), which then shards them as it always
+        has, and cutting them here as well would leave each rank a share of a share."""
+        connector = getattr(self.trainer, "_accelerator_connector", None)  # private: where Lightning keeps the flag
+        if getattr(connector, "use_distributed_sampler", False):
+            return 0, 1
+        return self._rank()
+
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._train is not None
@@ -669,14 +684,14 @@ class TextDataModule(L.LightningDataModule):
             kwargs = self._loader_kwargs() | {"persistent_workers": False}
             return StreamLoader(stream, position=self._train_position, **kwargs)
         # The order is a function of the seed and the epoch alone, so a resumed run sees the same batches.
-        sampler = ResumableRandomSampler(len(self._train), self.seed, *self._rank())  # type: ignore[arg-type]
+        sampler = ResumableRandomSampler(len(self._train), self.seed, *self._shard())  # type: ignore[arg-type]
         return ResumableDataLoader(self._train, sampler=sampler, position=self._train_position, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
         assert self._val is not None
-        rank, world = self._rank()
-        kwargs = self._loader_kwargs() | {"batch_size": self.val_batch_size}
+        rank, world = self._shard()
+        kwargs = self._loader_kwargs() | {"batch_size": self.val_batch_size or self.batch_size}
         if world == 1:
             return DataLoader(self._val, shuffle=False, **kwargs)
         # Each data-parallel rank its share, in order, as Lightning's own distributed sampler shards validation

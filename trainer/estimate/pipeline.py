@@ -17,7 +17,9 @@ Example::
                           micro_batch=(2, 16), policy="full", loss=LossConfig())
     rank0.peak, rank0.activations
 
-Known limitations: a bare step (no optimizer, no clipping); torch ≥ 2.13's pipelining internals (`_warmup_p2p`,
+Known limitations: without `optim`, a bare step (no optimizer, no clipping); with it, AdamW as torch picks it for
+CPU tensors (a CUDA run's foreach temporaries are not in it: the estimate is the CPU's); torch ≥ 2.13's pipelining
+internals (`_warmup_p2p`,
 `InferenceMode`). Outside a run the process becomes rank `rank` of a fake default group; inside one (a run's own
 prediction) its sends go to a fake group over the run's ranks.
 """
