@@ -367,7 +367,7 @@ def _stage_rank(
 
     from trainer.core import build
     from trainer.core.schema import Config
-    from trainer.parallel.pipeline import clip_grad_norm
+    from trainer.parallel.pipeline import update
     from trainer.policies import build_policy
 
     _set_num_threads_if_needed(num_processes=ranks)  # as the run's ranks (trainer/core/run.py: even_threads)
@@ -402,9 +402,7 @@ def _stage_rank(
                     torch.manual_seed(seed)
                     losses[-1].append(float(m._run(batches[s])))
                     grads.append(m.whole_grads())
-                    clip_grad_norm(list(m.parameters()), config.trainer.grad_clip, m.group)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    update(list(m.parameters()), opt, config.trainer.grad_clip, m.group)
                     sched.step()
             return grads, losses
 

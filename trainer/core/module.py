@@ -50,6 +50,23 @@ def adamw(trained: nn.Module, o: OptimConfig, foreach: bool | None = None) -> to
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=foreach)  # type: ignore[arg-type]
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, the ones that draw dropout masks: tensors and tuples of ints only, so a checkpoint
+    holding them still loads with weights_only=True."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Put back what `rng_state` took (CUDA's where this process sees as many devices)."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 log = logging.getLogger(__name__)
 _STAND_IN_EXPLAINED = False
 
@@ -239,21 +256,13 @@ class DecoderModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning restores weights, optimizer, schedule and loop counters; the RNG that draws dropout masks is
-        # ours to keep, or a resumed run would diverge from an uninterrupted one. Tensors and tuples of ints only,
-        # so the checkpoint still loads with weights_only=True.
-        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        checkpoint["rng_state"] = rng
+        # ours to keep, or a resumed run would diverge from an uninterrupted one.
+        checkpoint["rng_state"] = rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         rng = checkpoint.get("rng_state")
-        if not rng:
-            return
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        if rng:
+            restore_rng(rng)
 
     def configure_optimizers(self) -> Any:
         o = self.optim

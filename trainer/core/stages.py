@@ -31,7 +31,6 @@ memory_budget); tested on CPU processes (gloo) only.
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from models.adapter import adapter_for
-from trainer.core.module import DecoderModule
+from trainer.core.module import DecoderModule, restore_rng, rng_state
 from trainer.errors import ConfigError
 from trainer.parallel.pipeline import (
     PipelineLayout,
@@ -245,22 +244,14 @@ class PipelineModule(DecoderModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Each rank's own draws (its stages' dropout): gathered, so every rank resumes with its own.
-        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
         gathered: list[Any] = [None] * self.pipeline.ranks
-        dist.all_gather_object(gathered, rng, group=self.group)
+        dist.all_gather_object(gathered, rng_state(), group=self.group)
         checkpoint["rng_state"] = {"ranks": gathered}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         ranks = (checkpoint.get("rng_state") or {}).get("ranks")
-        if not ranks:
-            return
-        rng = ranks[dist.get_rank(self.group)]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        if ranks:
+            restore_rng(ranks[dist.get_rank(self.group)])
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -46,7 +46,6 @@ from trainer.parallel.pipeline import (
     PipelineLayout,
     PipelineStageModule,
     build_schedule,
-    clip_grad_norm,
     pipeline_stage,
     prune_to_stage,
     stage_layers,
@@ -54,6 +53,7 @@ from trainer.parallel.pipeline import (
     stage_policy,
     step_loss,
     step_rank,
+    update,
 )
 
 
@@ -175,10 +175,7 @@ def estimate_rank(
                 if optimizer is not None:  # PipelineModule.training_step, its hooks in Lightning's order
                     held = step_loss(losses, group, world - 1, "cpu")  # self.last_loss
                     del losses
-                    clip_grad_norm(params, 0.0, group)  # the numeric guard's norm (its float() allocates nothing)
-                    clip_grad_norm(params, grad_clip, group)  # the module's hook
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    update(params, optimizer, grad_clip, group)
                     del held
         weights = sum(p.numel() * p.element_size() for p in params)
         activations = tracker.peak_bytes_excluding(grads, until=window)

@@ -233,6 +233,16 @@ def step_loss(losses: list[torch.Tensor], group: Any, last_rank: int, device: An
     return loss
 
 
+def update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, grad_clip: float, group: Any) -> None:
+    """What follows the schedule's step in PipelineModule.training_step, in Lightning's order (its optimizer.step
+    runs the callbacks' hooks, then the module's): the numeric guard's norm, clipping, the update, zero_grad. The
+    estimate of a rank and trainer.check take it from here; the run takes it through those hooks."""
+    clip_grad_norm(params, 0.0, group)  # the guard's norm (its float() allocates nothing)
+    clip_grad_norm(params, grad_clip, group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def global_names(model: nn.Module) -> dict[int, str]:
     """The state-dict key of each of `model`'s tensors (by identity), taken before `prune_to_stage`: a stage keeps
     the whole model's names for its checkpoint keys, so a checkpoint of every stage is the whole model's."""
